@@ -1,0 +1,196 @@
+"""Server configuration: one frozen dataclass whose fields are SGLang's flag names.
+
+`ServerArgs(**kwargs)` validates on construction; `ServerArgs.from_cli(argv)` is
+the argparse front. Every invalid value raises `ConfigError` naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
+
+import torch
+
+
+class ConfigError(ValueError):
+    """An invalid server option; the message names the flag."""
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("torch_native", "flashinfer")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    tp_size: int = 1
+    mem_fraction_static: float = 0.85
+    max_total_tokens: int | None = None
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16384
+    # -1 disables chunking (SGLang's convention).
+    chunked_prefill_size: int = 8192
+    page_size: int = 1
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "torch_native"
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"
+    random_seed: int | None = None
+    context_length: int | None = None
+    trust_remote_code: bool = False
+    # Upper bound on `n` (parallel samples) per request.
+    max_n: int = 16
+    # Bound on the whole CPU KV budget when --max-total-tokens is not given:
+    # mem_fraction_static of this many GiB (a CPU has no device memory to measure).
+    cpu_kv_budget_gb: float = 4.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ---- validation -------------------------------------------------------------
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"{flag(name)}: {why}")
+
+        _check_types(self)
+        if self.trust_remote_code:
+            raise bad("trust_remote_code", "pdserve never runs remote code; "
+                      "only the built-in architectures (Llama, Mistral, Qwen2, Qwen3) are supported")
+        for name, choices in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("schedule_policy", SCHEDULE_POLICIES)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise bad(name, f"invalid choice {value!r} (choose from {', '.join(choices)})")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise bad("device", "cuda was requested but no CUDA device is available")
+        if self.attention_backend == "flashinfer":
+            raise bad("attention_backend", "flashinfer is not available in this build; use torch_native")
+        if self.tp_size < 1:
+            raise bad("tp_size", f"must be >= 1, got {self.tp_size}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise bad("mem_fraction_static", f"must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise bad("max_total_tokens", f"must be >= 1, got {self.max_total_tokens}")
+        if self.max_running_requests < 1:
+            raise bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_tokens < 1:
+            raise bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            raise bad("chunked_prefill_size", f"must be -1 (disabled) or >= 1, got {self.chunked_prefill_size}")
+        if self.page_size < 1:
+            raise bad("page_size", f"must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise bad("max_total_tokens", f"{self.max_total_tokens} is smaller than one page "
+                      f"({flag('page_size')} {self.page_size})")
+        if self.context_length is not None and self.context_length < 2:
+            raise bad("context_length", f"must be >= 2, got {self.context_length}")
+        if self.random_seed is not None and not 0 <= self.random_seed < 2**63:
+            raise bad("random_seed", f"must be in [0, 2^63), got {self.random_seed}")
+        if self.max_n < 1:
+            raise bad("max_n", f"must be >= 1, got {self.max_n}")
+        if self.cpu_kv_budget_gb <= 0:
+            raise bad("cpu_kv_budget_gb", f"must be > 0, got {self.cpu_kv_budget_gb}")
+        if self.model_path is not None and not os.path.isdir(self.model_path):
+            raise bad("model_path", f"{self.model_path!r} is not a directory")
+        if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
+            raise bad("tokenizer_path", f"{self.tokenizer_path!r} is not a directory")
+
+    # ---- derived values -------------------------------------------------------
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def replace(self, **changes: Any) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+    # ---- construction ---------------------------------------------------------
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown option(s): {', '.join(flag(u) for u in unknown)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if f.type in ("bool", bool):
+                parser.add_argument(flag(f.name), action="store_true", default=default)
+                continue
+            kind = _FIELD_PARSERS.get(str(f.type), str)
+            kwargs: dict[str, Any] = {"type": kind, "default": default}
+            choices = _FIELD_CHOICES.get(f.name)
+            if choices:
+                kwargs["choices"] = choices
+            parser.add_argument(flag(f.name), **kwargs)
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
+        parser = _RaisingParser(prog="pdserve", description="pdserve server options")
+        cls.add_cli_args(parser)
+        ns = parser.parse_args(list(argv) if argv is not None else None)
+        return cls.from_namespace(ns)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _int_or_none(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+def _float_or_none(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
+_FIELD_PARSERS = {
+    "int": int, "float": float, "str": str,
+    "int | None": _int_or_none, "float | None": _float_or_none, "str | None": str,
+}
+_FIELD_CHOICES = {
+    "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES,
+    "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
+}
+_TYPE_CHECKS: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+    "int | None": (int, type(None)), "float | None": (int, float, type(None)),
+    "str | None": (str, type(None)),
+}
+
+
+def _check_types(args: ServerArgs) -> None:
+    for f in fields(args):
+        value = getattr(args, f.name)
+        allowed = _TYPE_CHECKS.get(str(f.type))
+        if allowed is None:
+            continue
+        # bool is an int subclass; refuse it where a number is expected.
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+            raise ConfigError(f"{flag(f.name)}: expected {f.type}, got {type(value).__name__} {value!r}")
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse exits the process on error; callers of from_cli want an exception."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)

@@ -1,0 +1,236 @@
+"""Shared building blocks: norms, rotary embedding and tensor-parallel linears.
+
+Every parameter carries a `weight_loader(tensor, shard)` that checks the
+checkpoint tensor's full (unsharded) shape and copies this rank's slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.model_config import RopeConfig
+from pdserve.model.parallel import TPGroup, shard_range
+
+
+class WeightShapeError(ValueError):
+    pass
+
+
+def _attach_loader(param: nn.Parameter, loader: Callable[[torch.Tensor, object], None]) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise WeightShapeError(f"{what}: checkpoint shape {tuple(loaded.shape)}, "
+                               f"model expects {tuple(expected)}")
+
+
+def _full_loader(param: nn.Parameter, what: str) -> Callable[[torch.Tensor, object], None]:
+    def load(loaded: torch.Tensor, shard: object = None) -> None:
+        _check_shape(loaded, tuple(param.shape), what)
+        param.data.copy_(loaded)
+    return load
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        _attach_loader(self.weight, _full_loader(self.weight, "norm weight"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32, as Hugging Face does, whatever the activation dtype.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE with a precomputed cos/sin table."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, rope)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, heads, head_dim]; cos/sin: [T, 1, head_dim/2]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear whose output rows are sharded over TP ranks; `out_shards` fuses
+    several checkpoint matrices (e.g. gate and up) into one matmul."""
+
+    def __init__(self, in_features: int, out_shards: dict[object, int], bias: bool, tp: TPGroup,
+                 what: str) -> None:
+        super().__init__()
+        self.tp = tp
+        self.what = what
+        self.full = dict(out_shards)
+        self.local = {k: shard_range(v, tp.rank, tp.size, f"{what} output size")
+                      for k, v in out_shards.items()}
+        self.offsets: dict[object, int] = {}
+        total = 0
+        for key, (lo, hi) in self.local.items():
+            self.offsets[key] = total
+            total += hi - lo
+        self.in_features = in_features
+        self.weight = nn.Parameter(torch.empty(total, in_features))
+        self.bias = nn.Parameter(torch.zeros(total)) if bias else None
+        _attach_loader(self.weight, self._loader(self.weight))
+        if self.bias is not None:
+            _attach_loader(self.bias, self._loader(self.bias))
+
+    def _loader(self, param: nn.Parameter) -> Callable[[torch.Tensor, object], None]:
+        def load(loaded: torch.Tensor, shard: object = None) -> None:
+            key = shard if shard is not None else next(iter(self.full))
+            expected = (self.full[key],) + tuple(param.shape[1:])
+            _check_shape(loaded, expected, f"{self.what}[{key}]")
+            lo, hi = self.local[key]
+            off = self.offsets[key]
+            param.data[off: off + hi - lo].copy_(loaded[lo:hi])
+        return load
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. KV heads are sharded when there are at least as
+    many as ranks, and replicated (each rank keeps the one its q heads use) otherwise."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp: TPGroup) -> None:
+        if num_heads % tp.size:
+            raise ValueError(f"num_attention_heads ({num_heads}) is not divisible by --tp-size {tp.size}")
+        if num_kv_heads >= tp.size:
+            if num_kv_heads % tp.size:
+                raise ValueError(f"num_key_value_heads ({num_kv_heads}) is not divisible by "
+                                 f"--tp-size {tp.size}")
+            kv_local, kv_start = num_kv_heads // tp.size, tp.rank * (num_kv_heads // tp.size)
+        else:
+            if tp.size % num_kv_heads:
+                raise ValueError(f"--tp-size {tp.size} is not a multiple of num_key_value_heads "
+                                 f"({num_kv_heads})")
+            kv_local, kv_start = 1, tp.rank // (tp.size // num_kv_heads)
+        self.num_local_heads = num_heads // tp.size
+        self.num_local_kv_heads = kv_local
+        self.head_dim = head_dim
+        super().__init__(hidden, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+                                  "v": num_kv_heads * head_dim}, bias, TPGroup(), "qkv_proj")
+        # Replace the even split with the head-aware one computed above.
+        self.tp = tp
+        self.local = {
+            "q": (tp.rank * self.num_local_heads * head_dim, (tp.rank + 1) * self.num_local_heads * head_dim),
+            "k": (kv_start * head_dim, (kv_start + kv_local) * head_dim),
+            "v": (kv_start * head_dim, (kv_start + kv_local) * head_dim),
+        }
+        q_size = self.num_local_heads * head_dim
+        kv_size = kv_local * head_dim
+        self.offsets = {"q": 0, "k": q_size, "v": q_size + kv_size}
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.weight = nn.Parameter(torch.empty(q_size + 2 * kv_size, hidden))
+        _attach_loader(self.weight, self._loader(self.weight))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(q_size + 2 * kv_size))
+            _attach_loader(self.bias, self._loader(self.bias))
+
+
+class RowParallelLinear(nn.Module):
+    """A linear whose input columns are sharded; outputs are summed over ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, what: str) -> None:
+        super().__init__()
+        self.tp = tp
+        self.what = what
+        self.full_in = in_features
+        self.lo, self.hi = shard_range(in_features, tp.rank, tp.size, f"{what} input size")
+        self.weight = nn.Parameter(torch.empty(out_features, self.hi - self.lo))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+        def load_weight(loaded: torch.Tensor, shard: object = None) -> None:
+            _check_shape(loaded, (out_features, in_features), what)
+            self.weight.data.copy_(loaded[:, self.lo:self.hi])
+        _attach_loader(self.weight, load_weight)
+        if self.bias is not None:
+            _attach_loader(self.bias, _full_loader(self.bias, f"{what} bias"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out + self.bias if self.bias is not None else out
+
+
+class Embedding(nn.Module):
+    """Token embedding, replicated on every rank (cheap next to the layers)."""
+
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden))
+        _attach_loader(self.weight, _full_loader(self.weight, "embed_tokens"))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Vocabulary-parallel output projection; the vocab is padded to a multiple of
+    the TP size and the padding sliced off after the gather."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        per = -(-vocab_size // tp.size)
+        self.lo = min(tp.rank * per, vocab_size)
+        self.hi = min((tp.rank + 1) * per, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(per, hidden))
+
+        def load(loaded: torch.Tensor, shard: object = None) -> None:
+            _check_shape(loaded, (vocab_size, hidden), "lm_head")
+            self.weight.data.zero_()
+            self.weight.data[: self.hi - self.lo].copy_(loaded[self.lo:self.hi])
+        _attach_loader(self.weight, load)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp.enabled:
+            logits = self.tp.all_gather_last_dim(logits)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,10 @@
+"""Qwen3: Llama layout plus an RMSNorm over each q and k head before RoPE
+(ModelConfig.qk_norm; weights `self_attn.q_norm` / `self_attn.k_norm`)."""
+
+from __future__ import annotations
+
+from pdserve.model.transformer import CausalLM
+
+
+class Qwen3ForCausalLM(CausalLM):
+    pass

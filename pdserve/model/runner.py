@@ -1,0 +1,76 @@
+"""Model runner: owns the weights and runs one forward over a described batch."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.config import ConfigError, ServerArgs
+from pdserve.model.attention import ForwardContext, KVStore, TorchNativeAttention
+from pdserve.model.layers import RotaryEmbedding
+from pdserve.model.loader import load_weights
+from pdserve.model.model_config import ModelConfig
+from pdserve.model.parallel import TPGroup
+from pdserve.model.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ForwardInput:
+    """One forward, described by the scheduler (all tensors on the model device)."""
+    input_ids: torch.Tensor     # [T] new tokens, packed row after row
+    rows: torch.Tensor          # [B] request-table rows
+    prefix_lens: torch.Tensor   # [B] tokens already in the KV pool
+    extend_lens: torch.Tensor   # [B] new tokens per row
+    sample_index: torch.Tensor  # [R] packed positions whose logits are wanted
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16 is ~6x slower on CPUs without AVX-512 BF16
+    return _DTYPES.get(cfg.torch_dtype, torch.bfloat16)
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, model_dir: Path, tp: TPGroup) -> None:
+        self.args = args
+        self.tp = tp
+        self.device = args.resolved_device()
+        self.config = ModelConfig.from_dir(model_dir)
+        cfg = self.config
+        limit = cfg.context_limit
+        if args.context_length is not None and args.context_length > limit:
+            raise ConfigError(f"--context-length {args.context_length} exceeds the model's limit {limit}")
+        self.context_len = args.context_length or limit
+        self.dtype = resolve_dtype(args.dtype, cfg, self.device)
+        self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else _DTYPES[args.kv_cache_dtype]
+        model = model_class(cfg)(cfg, tp)
+        load_weights(model, model_dir)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        attn = self.model.model.layers[0].self_attn
+        self.num_local_heads = attn.num_heads
+        self.num_local_kv_heads = attn.num_kv_heads
+        self.rotary = RotaryEmbedding(cfg.head_dim, self.context_len, cfg.rope).to(self.device)
+        self.req_to_token: torch.Tensor | None = None
+
+    def bind_memory(self, kv_pool: KVStore, req_to_token: torch.Tensor) -> None:
+        backend = TorchNativeAttention(kv_pool, self.num_local_heads, self.num_local_kv_heads,
+                                       self.config.head_dim)
+        self.model.bind(backend, self.rotary)
+        self.req_to_token = req_to_token
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardInput) -> torch.Tensor:
+        """Run the model over the new tokens; returns float32 logits [R, V]."""
+        assert self.req_to_token is not None, "bind_memory() first"
+        ctx = ForwardContext.build(self.req_to_token, batch.rows, batch.prefix_lens, batch.extend_lens)
+        hidden, _ = self.model(batch.input_ids, ctx)
+        return self.model.compute_logits(hidden[batch.sample_index])

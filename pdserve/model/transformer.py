@@ -1,0 +1,129 @@
+"""The decoder shared by the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3).
+
+Architecture files choose the variant (biases, q/k norm) and the checkpoint
+name mapping; nothing here schedules or allocates KV: the forward context says
+where every token's KV goes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.attention import ForwardContext, TorchNativeAttention
+from pdserve.model.layers import (ColumnParallelLinear, Embedding, LMHead, QKVParallelLinear, RMSNorm,
+                                  RotaryEmbedding, RowParallelLinear)
+from pdserve.model.model_config import ModelConfig
+from pdserve.model.parallel import TPGroup
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.attention_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp,
+                                        "o_proj")
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.backend: TorchNativeAttention | None = None  # bound by the model runner
+        self.rotary: RotaryEmbedding | None = None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        assert self.backend is not None and self.rotary is not None
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.split_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(ctx.positions, q, k)
+        return self.o_proj(self.backend.forward(self.layer_id, q, k, v, ctx))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size}, cfg.mlp_bias, tp,
+            "gate_up_proj")
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp,
+                                           "down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final normed hidden states [T, H] and, for each layer index
+        in `capture_layers`, the residual stream entering that layer."""
+        x = self.embed_tokens(input_ids)
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if i in capture_layers:
+                captured.append(x)
+            x = layer(x, ctx)
+        return self.norm(x), captured
+
+
+# Checkpoint names that feed our fused parameters: (our name, checkpoint name, shard).
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class CausalLM(nn.Module):
+    """A decoder plus its output head. Subclasses are the architectures."""
+
+    stacked_params = STACKED_PARAMS
+    # Checkpoint tensors that carry no weights we need.
+    ignored_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, tp)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.model(input_ids, ctx, capture_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def bind(self, backend: TorchNativeAttention, rotary: RotaryEmbedding) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+            layer.self_attn.rotary = rotary

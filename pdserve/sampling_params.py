@@ -1,0 +1,97 @@
+"""Per-request sampling parameters, named as in SGLang's `sampling_params`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept a single stop string / lists, store tuples (hashable, immutable).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any] | None) -> "SamplingParams":
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        if not isinstance(params, Mapping):
+            raise ValueError(f"sampling_params: expected a dict, got {type(params).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"sampling_params: unknown field(s) {', '.join(unknown)}")
+        # None means "default" for every field (JSON clients send explicit nulls).
+        return cls(**{k: v for k, v in params.items() if v is not None or k == "seed"})
+
+    def _validate(self) -> None:
+        def need(cond: bool, name: str, why: str) -> None:
+            if not cond:
+                raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            need(is_int(getattr(self, name)), name, "must be an integer")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            need(is_num(getattr(self, name)), name, "must be a number")
+        need(0 <= self.max_new_tokens <= 1 << 20, "max_new_tokens", "must be in [0, 2^20]")
+        need(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
+             "must be in [0, max_new_tokens]")
+        need(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
+        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        need(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or >= 1")
+        need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        need(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        need(self.n >= 1, "n", "must be >= 1")
+        need(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
+             "must be an integer in [0, 2^63)")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop",
+             "must be non-empty strings")
+        need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative integers")
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            need(isinstance(getattr(self, name), bool), name, "must be a boolean")

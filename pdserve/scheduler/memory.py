@@ -1,0 +1,144 @@
+"""KV memory: request slots, paged token slots with reference counts, KV buffers.
+
+Slot `s` of the KV pool lives in page `s // page_size`. Page 0 is never handed
+out: slot 0 is the padding slot that batched attention reads for masked-out
+positions, so it must always hold finite values.
+
+A page is held by every owner that references it (a running request, a radix
+tree node, a forked sample); it returns to the free list when the last owner
+releases it. That makes sharing (prefix hits, n > 1 samples) safe without
+copying and makes double frees visible (refcount < 0 raises).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (one is the padding page)")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.refcount = torch.zeros(num_pages, dtype=torch.int32)
+        self.refcount[0] = 1  # padding page: permanently held
+        # Stack of free pages; low pages first keeps early requests' KV contiguous.
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be handed out."""
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} KV pages, {len(self._free)} free")
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        pages = self._free[-n:]
+        del self._free[-n:]
+        out = torch.tensor(pages[::-1], dtype=torch.int64)
+        self.refcount[out] = 1
+        return out
+
+    def retain(self, pages: torch.Tensor) -> None:
+        """Add one owner to each of `pages` (distinct, already allocated)."""
+        if pages.numel():
+            pages = pages.cpu()
+            if bool((self.refcount[pages] <= 0).any()):
+                raise RuntimeError("retain of a free KV page")
+            self.refcount[pages] += 1
+
+    def release(self, pages: torch.Tensor) -> None:
+        """Drop one owner from each of `pages` (distinct); free those left unowned."""
+        if not pages.numel():
+            return
+        pages = pages.cpu()
+        self.refcount[pages] -= 1
+        counts = self.refcount[pages]
+        if bool((counts < 0).any()) or bool((pages == 0).any()):
+            raise RuntimeError("KV page released more often than it was held")
+        self._free.extend(pages[counts == 0].tolist())
+
+
+class ReqToTokenPool:
+    """Row r maps request position i to its KV slot: table[r, i]."""
+
+    def __init__(self, num_rows: int, max_context_len: int, device: torch.device) -> None:
+        self.table = torch.zeros(num_rows, max_context_len, dtype=torch.int64, device=device)
+        self.num_rows = num_rows
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfPages("no free request slot")
+        return self._free.pop()
+
+    def free(self, row: int) -> None:
+        if row in self._free:
+            raise RuntimeError(f"request slot {row} freed twice")
+        self._free.append(row)
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+class TokenToKVPool:
+    """Per layer one contiguous K and one V buffer of [num_slots, kv_heads, head_dim].
+
+    Contiguous per-layer buffers are what a transfer engine registers; buffers
+    are named (`target.L{i}.K`) so that two sides can pair them by name.
+    """
+
+    def __init__(self, name: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.name = name
+        self.num_slots = num_slots
+        self.dtype = dtype
+        # zeros, not empty: the padding slot (and never-written slots read under
+        # a mask) must be finite or masked SDPA would produce NaN.
+        self.k = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+                  for _ in range(num_layers)]
+        self.v = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+                  for _ in range(num_layers)]
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        named: dict[str, torch.Tensor] = {}
+        for i, (k, v) in enumerate(zip(self.k, self.v)):
+            named[f"{self.name}.L{i}.K"] = k
+            named[f"{self.name}.L{i}.V"] = v
+        return named
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][loc] = k.to(self.dtype)
+        self.v[layer][loc] = v.to(self.dtype)
+
+    def gather(self, layer: int, indices: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer][indices].to(dtype), self.v[layer][indices].to(dtype)
+
+    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()

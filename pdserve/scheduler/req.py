@@ -1,0 +1,73 @@
+"""The request: everything the scheduler tracks for one sample of one prompt."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.sampling_params import SamplingParams
+
+
+class FinishKind(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    kind: FinishKind
+    matched: int | str | None = None  # stop token id or stop string
+    message: str | None = None        # why an abort happened
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.kind.value}
+        if self.kind is FinishKind.STOP:
+            out["matched"] = self.matched
+        elif self.kind is FinishKind.ABORT:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    sample_index: int = 0          # which of the request's n samples this is
+    # Samples still to be forked from this one once its prompt is in the KV pool.
+    pending_forks: list["Req"] = field(default_factory=list)
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    # KV state
+    row: int | None = None         # request-table row while the request holds KV
+    kv_len: int = 0                # positions whose KV is in the pool
+    cached_tokens: int = 0         # prompt tokens served from the prefix cache
+    lock_node: Any = None          # radix node locked while the request runs
+    retractions: int = 0
+
+    finish: FinishReason | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens whose KV the request needs before it can draw its next token."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)

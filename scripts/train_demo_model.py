@@ -1,0 +1,585 @@
+#!/usr/bin/env python3
+"""Train the embedded demo model (a tiny character-level LlamaForCausalLM).
+
+Deterministic (seeded, fixed thread count), CPU-only and resumable.  The model
+learns three synthetic chat tasks (see ``pdserve/assets/demo_tasks.py``):
+arithmetic, copy and key/value recall, in single- and multi-turn conversations.
+
+Key choices (from a failed first feasibility run, see the README of the asset):
+  * loss only on assistant answer tokens (+ their closing ``</s>``), averaged per
+    answer turn, so long copy answers do not dominate the gradient;
+  * a curriculum that widens copy length / recall pair count when held-out
+    exact match at the current frontier passes a threshold;
+  * rows are whole conversations (never several conversations in one row), so
+    the causal mask alone is correct and SDPA can use its fast causal path;
+  * the LR stays at its peak until the last 20% of the steps.
+
+Held-out evaluation during training is teacher-forced: the greedy answer is
+exactly right iff the argmax at every answer position equals the target, so a
+single forward pass gives the same exact-match number as greedy generation.
+
+Typical use:
+  nice -n 10 python scripts/train_demo_model.py --threads 1            # fresh run
+  nice -n 10 python scripts/train_demo_model.py --threads 1 --resume   # continue
+  python scripts/train_demo_model.py --export-only                     # export latest ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from pdserve.assets import demo_tasks as dt  # noqa: E402
+
+# ---------------------------------------------------------------------------
+# Tokenizer: one token per character, plus special tokens.
+# ---------------------------------------------------------------------------
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+PAD, BOS, EOS, UNK, SYS, USR, AST = range(len(SPECIALS))
+ROLE_ID = {"system": SYS, "user": USR, "assistant": AST}
+# All printable ASCII plus newline and tab, so any plain-ASCII prompt a server
+# test sends tokenizes without <unk>.
+CHARS = ["\n", "\t"] + [chr(c) for c in range(32, 127)]
+VOCAB = SPECIALS + CHARS
+CHAR_ID = {c: i for i, c in enumerate(VOCAB) if i >= len(SPECIALS)}
+
+# <s><|user|>What is 1 + 2?</s><|assistant|>1 + 2 = 3</s>  -- no newlines, so
+# every character of the rendered prompt is content or a special token.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unsupported role: ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tokenizer() -> Any:
+    """A ``PreTrainedTokenizerFast`` over ``VOCAB`` built with ``tokenizers``.
+
+    BPE with an empty merge list splits text into single characters; the Fuse
+    decoder joins them back without inserted spaces.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(VOCAB)}, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
+        clean_up_tokenization_spaces=False,
+        model_max_length=2048,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def encode(messages: list[dict[str, str]]) -> tuple[list[int], list[float], list[tuple[str, int, int]]]:
+    """Token ids of a conversation exactly as the chat template renders it.
+
+    Returns (ids, weights, spans): ``weights[i]`` is the loss weight of
+    predicting token i (1/len for each token of an assistant answer incl. its
+    ``</s>``, else 0); ``spans`` lists (task, start, end) of answer tokens.
+    """
+    ids, wts, spans = [BOS], [0.0], []
+    for m in messages:
+        ids.append(ROLE_ID[m["role"]])
+        wts.append(0.0)
+        body = [CHAR_ID[c] for c in m["content"]] + [EOS]
+        if m["role"] == "assistant":
+            spans.append((m.get("task", ""), len(ids), len(ids) + len(body)))
+            wts.extend([1.0 / len(body)] * len(body))
+        else:
+            wts.extend([0.0] * len(body))
+        ids.extend(body)
+    return ids, wts, spans
+
+
+# ---------------------------------------------------------------------------
+# Curriculum and data
+# ---------------------------------------------------------------------------
+
+TASK_PROBS = {"arithmetic": 0.3, "copy": 0.35, "recall": 0.35}
+COPY_STEPS = [12, 16, 20, 24, 28, 32]
+RECALL_STEPS = [4, 6, 8, 10, 12, 14, 16]
+
+
+@dataclass
+class Curriculum:
+    copy_max: int = COPY_STEPS[0]
+    recall_max: int = RECALL_STEPS[0]
+    long_row: int = 256  # length of the long (multi-turn) rows; grows with the curriculum
+
+    def done(self) -> bool:
+        return self.copy_max == COPY_STEPS[-1] and self.recall_max == RECALL_STEPS[-1]
+
+
+def sample_turn(rng: random.Random, cur: Curriculum) -> dt.Example:
+    task = rng.choices(list(TASK_PROBS), weights=list(TASK_PROBS.values()))[0]
+    # 40% of the time draw from the frontier (hardest current band) so that
+    # widening is fast; otherwise uniform over the whole current range, which
+    # keeps short examples in the mix.
+    lo_c = cur.copy_max - 3 if rng.random() < 0.4 else dt.COPY_MIN_LEN
+    lo_r = max(dt.RECALL_MIN_PAIRS, cur.recall_max - 1) if rng.random() < 0.4 else dt.RECALL_MIN_PAIRS
+    return dt.sample_example(rng, task, "train", (lo_c, cur.copy_max), (lo_r, cur.recall_max))
+
+
+def turn_messages(ex: dt.Example) -> list[dict[str, str]]:
+    return [
+        {"role": "user", "content": ex.question},
+        {"role": "assistant", "content": ex.answer, "task": ex.task},
+    ]
+
+
+def sample_conversation(rng: random.Random, cur: Curriculum, row_len: int) -> list[dict[str, str]]:
+    """A conversation that fills up to ``row_len`` tokens (at least one turn)."""
+    msgs: list[dict[str, str]] = []
+    if rng.random() < 0.2:
+        msgs.append({"role": "system", "content": rng.choice(dt.SYSTEM_PROMPTS)})
+    length = 1 + sum(len(m["content"]) + 2 for m in msgs)
+    while True:
+        turn = turn_messages(sample_turn(rng, cur))
+        n = sum(len(m["content"]) + 2 for m in turn)
+        if length + n > row_len and any(m["role"] == "assistant" for m in msgs):
+            return msgs
+        msgs.extend(turn)
+        length += n
+
+
+def make_batch(
+    rng: random.Random, cur: Curriculum, row_len: int, tokens_per_step: int
+) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[str, int, int]]]]:
+    rows = max(1, tokens_per_step // row_len)
+    encs = [encode(sample_conversation(rng, cur, row_len)) for _ in range(rows)]
+    width = max(len(e[0]) for e in encs)
+    ids = torch.full((rows, width), PAD, dtype=torch.long)
+    wts = torch.zeros((rows, width))
+    for r, (i, w, _) in enumerate(encs):
+        ids[r, : len(i)] = torch.tensor(i)
+        wts[r, : len(w)] = torch.tensor(w)
+    return ids, wts, [e[2] for e in encs]
+
+
+# ---------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        use_cache=True,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
+
+
+def build_model(cfg: Any) -> torch.nn.Module:
+    from transformers import LlamaForCausalLM
+
+    cfg._attn_implementation = "sdpa"  # eager is 2-5x slower on CPU
+    return LlamaForCausalLM(cfg)
+
+
+# ---------------------------------------------------------------------------
+# Teacher-forced held-out evaluation (== greedy exact match, see module doc)
+# ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def tf_exact_match(model: torch.nn.Module, convs: list[list[dict[str, str]]], batch: int = 64) -> tuple[float, float]:
+    """(exact match of the LAST answer, per-token accuracy) over conversations."""
+    model.eval()
+    hits, tok_hits, tok_total = 0, 0, 0
+    for b in range(0, len(convs), batch):
+        encs = [encode(c) for c in convs[b : b + batch]]
+        width = max(len(e[0]) for e in encs)
+        ids = torch.full((len(encs), width), PAD, dtype=torch.long)
+        for r, e in enumerate(encs):
+            ids[r, : len(e[0])] = torch.tensor(e[0])
+        pred = model(input_ids=ids, use_cache=False).logits.argmax(-1)
+        for r, (_, _, spans) in enumerate(encs):
+            _, s, e = spans[-1]
+            ok = pred[r, s - 1 : e - 1] == ids[r, s:e]
+            hits += int(ok.all())
+            tok_hits += int(ok.sum())
+            tok_total += e - s
+    model.train()
+    return hits / len(convs), tok_hits / tok_total
+
+
+def heldout_convs(task: str, n: int, tag: str, copy_len=None, recall_pairs=None, prefix_turns: int = 0):
+    """Held-out single-turn (or multi-turn: training-distribution prefix turns) eval set."""
+    rng = random.Random(f"train-eval-{tag}-{task}")
+    full = Curriculum(COPY_STEPS[-1], RECALL_STEPS[-1])
+    out = []
+    for _ in range(n):
+        msgs: list[dict[str, str]] = []
+        for _ in range(prefix_turns):
+            msgs += turn_messages(sample_turn(rng, full))
+        ex = dt.sample_example(
+            rng, task, "heldout",
+            copy_len or (dt.COPY_MIN_LEN, dt.COPY_MAX_LEN),
+            recall_pairs or (dt.RECALL_MIN_PAIRS, dt.RECALL_MAX_PAIRS),
+        )
+        out.append(msgs + turn_messages(ex))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Checkpointing
+# ---------------------------------------------------------------------------
+
+
+def save_ckpt(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic: a crash never leaves a half-written checkpoint
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    decay_start = int(args.total_steps * 0.8)
+    if step < decay_start:
+        return args.lr
+    t = (step - decay_start) / max(1, args.total_steps - decay_start)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def log(msg: str, logf: Path | None) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    if logf is not None:
+        with open(logf, "a") as f:
+            f.write(line + "\n")
+
+
+# ---------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------
+
+
+def export(ckpt: dict[str, Any], out: Path, eval_n: int, threads: int) -> dict[str, Any]:
+    from transformers import GenerationConfig, LlamaConfig
+
+    cfg = LlamaConfig.from_dict(ckpt["config"])
+    model = build_model(cfg)
+    model.load_state_dict(ckpt["model"])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)  # config.json + model.safetensors
+    gen = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, do_sample=False)
+    gen.save_pretrained(out)
+    # Legacy single-file layout: the chat template lives in tokenizer_config.json.
+    build_tokenizer().save_pretrained(out, save_jinja_files=False)
+
+    import eval_demo_model  # scripts/eval_demo_model.py (transformers generate only)
+
+    torch.set_num_threads(threads)
+    res = eval_demo_model.evaluate(out, n=eval_n)
+    write_readme(out, ckpt, res, eval_n)
+    return res
+
+
+def write_readme(out: Path, ckpt: dict[str, Any], res: dict[str, Any], eval_n: int) -> None:
+    c = ckpt["config"]
+    n_params = sum(v.numel() for v in ckpt["model"].values())
+    acc = "\n".join(f"| {k} | {v:.3f} |" for k, v in res.items())
+    text = f"""# pdserve demo model
+
+A tiny character-level `LlamaForCausalLM` (GQA, RMSNorm, RoPE, SiLU MLP, untied
+head) trained by `scripts/train_demo_model.py` on synthetic chat tasks. It is the
+embedded model of pdserve's tests and accuracy benchmark.
+
+- {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, MLP {c['intermediate_size']},
+  {c['num_attention_heads']} heads / {c['num_key_value_heads']} KV heads (head dim {c['head_dim']}),
+  vocab {c['vocab_size']}, max positions {c['max_position_embeddings']}, {n_params / 1e6:.2f}M parameters, fp32.
+- Trained for {ckpt['step']} steps (seed {ckpt['args']['seed']}).
+
+## Tokenizer and chat template
+
+One token per character (printable ASCII, `\\n`, `\\t`) plus special tokens
+`<pad>`=0, `<s>`=1 (bos), `</s>`=2 (eos, also ends every turn), `<unk>`=3,
+`<|system|>`=4, `<|user|>`=5, `<|assistant|>`=6. Roles: system, user, assistant.
+The template renders (no newlines):
+
+```
+<s><|system|>SYSTEM</s><|user|>QUESTION</s><|assistant|>ANSWER</s>...
+```
+
+and `add_generation_prompt=True` appends `<|assistant|>`. Generation ends at `</s>`
+(`eos_token_id` 2). The rendered prompt already contains `<s>`: tokenize it with
+`add_special_tokens=False` (or use `apply_chat_template(..., tokenize=True)`).
+
+## Tasks (user message -> exact assistant answer)
+
+- arithmetic: `What is A + B?` -> `A + B = C`, `What is A - B?` -> `A - B = C`;
+  A, B integers 0..99 written in decimal, A >= B for minus. Example: `What is 12 + 7?` -> `12 + 7 = 19`.
+- copy: `Repeat: S` -> `S`; S is 8..32 distinct characters of `[a-z0-9]`.
+- recall: `Remember: k1=v1, k2=v2, ..., kn=vn. What is kj?` -> `vj`; n in 2..16, keys
+  distinct lowercase letters, values 3 characters of `[a-z0-9]`.
+  Example: `Remember: q=4xa, c=k0k. What is c?` -> `k0k`.
+
+Conversations in training mix these tasks over several turns (up to
+~{ckpt['cur']['long_row']} tokens); each answer depends only on its own question.
+
+## Held-out rule
+
+A question (the exact user message text) is held out iff
+
+```python
+int.from_bytes(hashlib.sha256(question.encode("utf-8")).digest()[:8], "big") % 10 == 0
+```
+
+Training only ever uses questions with a non-zero remainder. Generate held-out
+questions by rejection sampling with this rule, e.g. with
+`pdserve.assets.demo_tasks.heldout_examples(task, n, seed)`.
+
+## Measured accuracy
+
+Held-out exact match of the whole assistant answer, greedy decoding with
+transformers `generate`, {eval_n} questions per task, full difficulty ranges
+(`python scripts/eval_demo_model.py --model pdserve/assets/demo --n {eval_n}`).
+`multi-turn` puts each held-out question after 3 earlier training-style turns.
+
+| task | exact match |
+|---|---|
+{acc}
+"""
+    (out / "README.md").write_text(text)
+
+
+# ---------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=REPO / "pdserve" / "assets" / "demo")
+    p.add_argument("--ckpt-dir", type=Path, default=Path("/root/pdserve-train-ckpt"))
+    p.add_argument("--resume", action="store_true", help="continue from CKPT_DIR/latest.pt")
+    p.add_argument("--overwrite", action="store_true", help="start fresh even if a checkpoint exists")
+    p.add_argument("--export-only", action="store_true", help="export CKPT_DIR/latest.pt to OUT and exit")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop (checkpointed) after this long; 0 = no limit")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--total-steps", type=int, default=6000)
+    p.add_argument("--tokens-per-step", type=int, default=4096)
+    p.add_argument("--short-row", type=int, default=192)
+    p.add_argument("--lr", type=float, default=2.5e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-n", type=int, default=64, help="held-out questions per task per training eval")
+    p.add_argument("--advance-at", type=float, default=0.9, help="frontier exact match that widens the curriculum")
+    p.add_argument("--ckpt-minutes", type=float, default=5.0)
+    p.add_argument("--final-eval-n", type=int, default=300, help="questions per task for the exported README")
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    ckpt_path = args.ckpt_dir / "latest.pt"
+    logf = args.ckpt_dir / "train.log"
+
+    if args.export_only:
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        res = export(ckpt, args.out, args.final_eval_n, args.threads)
+        log(f"exported step {ckpt['step']} to {args.out}: {json.dumps(res)}", None)
+        return
+
+    torch.manual_seed(args.seed)
+    cfg = build_config(args)
+    model = build_model(cfg)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.98), eps=1e-8,
+    )
+    rng = random.Random(args.seed)
+    cur = Curriculum()
+    step, history = 0, []
+
+    if ckpt_path.exists() and not (args.resume or args.overwrite):
+        sys.exit(f"{ckpt_path} exists: pass --resume to continue or --overwrite to start fresh")
+    if args.resume and ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=False)
+        if ck["config"] != cfg.to_dict() and {k: v for k, v in ck["config"].items() if k != "transformers_version"} != {
+            k: v for k, v in cfg.to_dict().items() if k != "transformers_version"
+        }:
+            sys.exit("checkpoint model config differs from the command line model flags")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optim"])
+        rng.setstate(ck["data_rng"])
+        torch.set_rng_state(ck["torch_rng"])
+        cur = Curriculum(**ck["cur"])
+        step, history = ck["step"], ck["history"]
+        # Schedule / data flags come from the checkpoint so a resumed run is the
+        # same run (only threads / time limits / paths may change).
+        for k in ("total_steps", "tokens_per_step", "short_row", "lr", "warmup", "eval_every", "eval_n", "advance_at"):
+            setattr(args, k, ck["args"][k])
+        log(f"resumed at step {step}, curriculum {cur}", logf)
+    else:
+        args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        logf.write_text("")
+        n_params = sum(p.numel() for p in model.parameters())
+        log(f"fresh run: {n_params / 1e6:.2f}M params, args {vars(args)}", logf)
+
+    # The template rendering and encode() must agree token for token.
+    tok = build_tokenizer()
+    probe = sample_conversation(random.Random(0), Curriculum(32, 16), 400)
+    clean = [{"role": m["role"], "content": m["content"]} for m in probe]
+    rendered = tok.apply_chat_template(clean, tokenize=False)
+    assert tok(rendered, add_special_tokens=False)["input_ids"] == encode(probe)[0], "template/encode mismatch"
+
+    def snapshot() -> dict[str, Any]:
+        return {
+            "model": model.state_dict(), "optim": opt.state_dict(), "data_rng": rng.getstate(),
+            "torch_rng": torch.get_rng_state(), "cur": dataclasses.asdict(cur), "step": step,
+            "history": history, "config": cfg.to_dict(),
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        }
+
+    full_sets = {t: heldout_convs(t, args.eval_n, "full") for t in dt.TASKS}
+    full_sets["multi-turn"] = [
+        c for t in dt.TASKS for c in heldout_convs(t, args.eval_n // 3, "multi", prefix_turns=3)
+    ]
+
+    def evaluate() -> dict[str, float]:
+        res: dict[str, float] = {}
+        for name, convs in full_sets.items():
+            res[name], res[name + "_tok"] = tf_exact_match(model, convs)
+        fc = heldout_convs("copy", args.eval_n, f"front{cur.copy_max}", copy_len=(cur.copy_max - 3, cur.copy_max))
+        fr = heldout_convs("recall", args.eval_n, f"front{cur.recall_max}",
+                           recall_pairs=(max(2, cur.recall_max - 1), cur.recall_max))
+        res["copy_front"], _ = tf_exact_match(model, fc)
+        res["recall_front"], _ = tf_exact_match(model, fr)
+        return res
+
+    t_start = time.time()
+    t_ckpt = t_start
+    agg: dict[str, list[float]] = {"loss": [], "ntok": []}
+    task_loss: dict[str, list[float]] = {t: [0.0, 0] for t in dt.TASKS}
+    t_log = time.time()
+    model.train()
+    while step < args.total_steps:
+        # Alternate short rows (1-2 turns, prompt near position 0 as in the
+        # benchmark) and long multi-turn rows (long prompts for serving).
+        row = args.short_row if step % 2 == 0 else cur.long_row
+        ids, wts, spans = make_batch(rng, cur, row, args.tokens_per_step)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args)
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+        ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
+        ce = ce.view(ids.size(0), -1) * wts[:, 1:]
+        n_turns = sum(len(s) for s in spans)
+        loss = ce.sum() / n_turns  # mean over answer turns of the mean token CE
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+
+        with torch.no_grad():
+            for r, row_spans in enumerate(spans):
+                for task, s, e in row_spans:
+                    task_loss[task][0] += float(ce[r, s - 1 : e - 1].sum())
+                    task_loss[task][1] += 1
+        agg["loss"].append(loss.item())
+        agg["ntok"].append(ids.numel())
+
+        if step % 25 == 0:
+            dt_s = time.time() - t_log
+            per_task = " ".join(f"{t}={v[0] / max(1, v[1]):.3f}" for t, v in task_loss.items())
+            log(f"step {step} loss {sum(agg['loss']) / len(agg['loss']):.4f} [{per_task}] lr {lr_at(step, args):.2e} "
+                f"tok/s {sum(agg['ntok']) / dt_s:.0f} cur copy<={cur.copy_max} recall<={cur.recall_max} "
+                f"long_row={cur.long_row}", logf)
+            agg = {"loss": [], "ntok": []}
+            task_loss = {t: [0.0, 0] for t in dt.TASKS}
+            t_log = time.time()
+
+        if step % args.eval_every == 0 or step == args.total_steps:
+            t_e = time.time()
+            res = evaluate()
+            # Widen the curriculum when the frontier band is (nearly) solved.
+            if res["copy_front"] >= args.advance_at and cur.copy_max < COPY_STEPS[-1]:
+                cur.copy_max = COPY_STEPS[COPY_STEPS.index(cur.copy_max) + 1]
+            if res["recall_front"] >= args.advance_at and cur.recall_max < RECALL_STEPS[-1]:
+                cur.recall_max = RECALL_STEPS[RECALL_STEPS.index(cur.recall_max) + 1]
+            progress = (COPY_STEPS.index(cur.copy_max) + RECALL_STEPS.index(cur.recall_max)) / (
+                len(COPY_STEPS) + len(RECALL_STEPS) - 2
+            )
+            cur.long_row = 256 if progress < 0.5 else (512 if progress < 1 else 768)
+            history.append({"step": step, "time_s": round(time.time() - t_start), **{k: round(v, 4) for k, v in res.items()}})
+            log(f"eval step {step} ({time.time() - t_e:.0f}s): " + " ".join(f"{k}={v:.3f}" for k, v in res.items())
+                + f" -> cur {cur}", logf)
+
+        stop = args.max_minutes > 0 and time.time() - t_start > args.max_minutes * 60
+        if time.time() - t_ckpt > args.ckpt_minutes * 60 or stop or step == args.total_steps:
+            save_ckpt(ckpt_path, snapshot())
+            t_ckpt = time.time()
+            log(f"checkpoint step {step} -> {ckpt_path}", logf)
+        if stop:
+            log(f"--max-minutes reached at step {step}; resume with --resume", logf)
+            return
+
+    res = export(snapshot(), args.out, args.final_eval_n, args.threads)
+    log(f"finished {step} steps; exported to {args.out}: {json.dumps(res)}", logf)
+
+
+if __name__ == "__main__":
+    main()
