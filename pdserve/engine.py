@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from pdserve.config import ConfigError, ServerArgs
+from pdserve.model.model_config import ModelConfig
 from pdserve.model.parallel import TPGroup
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.req import FinishKind, Req
@@ -34,6 +35,19 @@ def resolve_model_dir(args: ServerArgs) -> Path:
         return assets.path("demo")
     except (ImportError, FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"--model-path is required: no embedded demo model is available ({exc})") from exc
+
+
+def check_tp_layout(model_dir: Path, tp_size: int) -> None:
+    """Refuse a TP size the model's heads cannot be split over, before any process starts."""
+    cfg = ModelConfig.from_dir(model_dir)
+    if cfg.num_heads % tp_size:
+        raise ConfigError(f"--tp-size {tp_size}: num_attention_heads ({cfg.num_heads}) is not divisible by it")
+    kv = cfg.num_kv_heads
+    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+        raise ConfigError(f"--tp-size {tp_size}: num_key_value_heads ({kv}) can be neither split "
+                          "nor replicated evenly over it")
+    if cfg.hidden_size % tp_size or cfg.intermediate_size % tp_size:
+        raise ConfigError(f"--tp-size {tp_size}: hidden_size / intermediate_size not divisible by it")
 
 
 def sample_seed(base: int, index: int) -> int:
@@ -53,20 +67,24 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._procs: list[mp.process.BaseProcess] = []
         self._conn: Any = None
+        # The list is filled in place, so the finalizer sees the processes started later.
+        self._conn_box: list[Any] = []
+        self._finalizer = weakref.finalize(self, Engine._stop_procs, self._procs, self._conn_box)
         if self.args.tp_size == 1:
             self._scheduler = build_scheduler(self.args, self.model_dir, self.tokenizer_dir, TPGroup())
             self.context_len = self._scheduler.context_len
             self.vocab_size = self._scheduler.vocab_size
         else:
             self._start_tp_workers()
-        self._finalizer = weakref.finalize(self, Engine._stop_procs, self._procs, self._conn)
 
     # ---- lifecycle --------------------------------------------------------------
     def _start_tp_workers(self) -> None:
         ctx = mp.get_context("spawn")
         init = f"tcp://127.0.0.1:{free_tcp_port()}"
+        check_tp_layout(self.model_dir, self.args.tp_size)
         parent_conn, child_conn = ctx.Pipe()
         self._conn = parent_conn
+        self._conn_box.append(parent_conn)
         for rank in range(self.args.tp_size):
             proc = ctx.Process(target=run_rank, daemon=True, name=f"pdserve-tp{rank}",
                                args=(self.args, self.model_dir, self.tokenizer_dir, rank, init,
@@ -78,17 +96,23 @@ class Engine:
             self.shutdown()
             raise RuntimeError(f"TP worker failed to start:\n{info}")
         self.context_len = info["context_len"]
-        from pdserve.model.model_config import ModelConfig
         self.vocab_size = ModelConfig.from_dir(self.model_dir).vocab_size
 
-    def _recv(self, timeout: float = 600.0) -> tuple[str, Any]:
-        if not self._conn.poll(timeout):
-            raise TimeoutError("TP scheduler did not answer")
-        return self._conn.recv()
+    def _recv(self) -> tuple[str, Any]:
+        # Wait for rank 0, but notice at once when any rank has died.
+        while not self._conn.poll(0.2):
+            dead = [p for p in self._procs if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"TP scheduler process {dead[0].name} exited "
+                                   f"(exit code {dead[0].exitcode})")
+        kind, payload = self._conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"TP scheduler failed:\n{payload}")
+        return kind, payload
 
     @staticmethod
-    def _stop_procs(procs: list[mp.process.BaseProcess], conn: Any) -> None:
-        if conn is not None:
+    def _stop_procs(procs: list[mp.process.BaseProcess], conn_box: list[Any]) -> None:
+        for conn in conn_box:
             try:
                 conn.send(Command(shutdown=True))
             except (BrokenPipeError, OSError):

@@ -1,0 +1,101 @@
+"""Shared fixtures: tiny random checkpoints built once per session, the
+transformers reference, and the no-leak check every engine test ends with."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+from pdserve.testing import build_random_model
+
+MODEL_SPECS: dict[str, dict[str, Any]] = {
+    "llama_gqa": dict(arch="llama", num_heads=4, num_kv_heads=2),
+    "llama_tied": dict(arch="llama", num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
+    "llama3_rope": dict(arch="llama", num_heads=4, num_kv_heads=1,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": dict(arch="qwen2", num_heads=4, num_kv_heads=2),
+    "qwen3": dict(arch="qwen3", num_heads=4, num_kv_heads=2),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            spec = dict(MODEL_SPECS[name])
+            arch = spec.pop("arch")
+            built[name] = build_random_model(tmp_path_factory.mktemp(name), arch, **spec)
+        return built[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs: Callable[[str], Path]) -> Path:
+    return model_dirs("llama_gqa")
+
+
+def assert_pools_full(engine: Any) -> None:
+    """No KV page or request slot leaked: everything is free once the cache is dropped."""
+    assert engine.flush_cache(), "engine still has work"
+    state = engine.memory_state()
+    assert state["kv_pages_free"] == state["kv_pages_total"], state
+    assert state["req_slots_free"] == state["req_slots_total"], state
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., Any]]:
+    """Build engines; each is checked for leaks and shut down after the test."""
+    from pdserve import Engine
+
+    engines: list[Any] = []
+
+    def make(model_dir: Path, **kwargs: Any) -> Any:
+        kwargs.setdefault("max_total_tokens", 8192)
+        engine = Engine(model_path=str(model_dir), **kwargs)
+        engines.append(engine)
+        return engine
+    yield make
+    try:
+        for engine in engines:
+            assert_pools_full(engine)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int = 90, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Ids >= 6 skip the special tokens of the character tokenizer.
+    return [[rng.randrange(6, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@torch.no_grad()
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int
+              ) -> list[tuple[list[int], list[float]]]:
+    """transformers reference: greedy tokens and their logprobs, one prompt at a time,
+    recomputing the whole sequence each step (no cache: the simplest correct thing)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        seq = torch.tensor([ids])
+        toks, lps = [], []
+        for _ in range(max_new_tokens):
+            logits = model(seq).logits[0, -1].float()
+            t = int(logits.argmax())
+            toks.append(t)
+            lps.append(float(torch.log_softmax(logits, -1)[t]))
+            seq = torch.cat([seq, torch.tensor([[t]])], dim=1)
+        out.append((toks, lps))
+    return out
+
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}

@@ -1,0 +1,241 @@
+"""KV memory: page allocator refcounts, request slots, named KV buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.scheduler.memory import OutOfPages, PageAllocator, ReqToTokenPool, TokenToKVPool
+
+
+# ---- PageAllocator ---------------------------------------------------------------
+def test_allocator_needs_two_pages():
+    with pytest.raises(ValueError):
+        PageAllocator(1, 4)
+    a = PageAllocator(2, 4)
+    assert a.capacity == 1 and a.num_free == 1
+
+
+def test_capacity_excludes_padding_page():
+    a = PageAllocator(8, 4)
+    assert a.capacity == 7
+    assert a.num_free == 7
+    assert a.page_size == 4
+
+
+def test_alloc_all_pages_never_page_zero():
+    a = PageAllocator(9, 2)
+    pages = a.alloc(8)
+    assert pages.dtype == torch.int64
+    assert sorted(pages.tolist()) == list(range(1, 9))
+    assert 0 not in pages.tolist()
+    assert a.num_free == 0
+    assert (a.refcount[pages] == 1).all()
+    with pytest.raises(OutOfPages):
+        a.alloc(1)
+
+
+def test_alloc_in_pieces_distinct_and_low_first():
+    a = PageAllocator(6, 1)
+    first = a.alloc(2)
+    second = a.alloc(3)
+    assert first.tolist() == [1, 2]  # low pages first, ascending
+    assert set(first.tolist()).isdisjoint(second.tolist())
+    assert sorted(first.tolist() + second.tolist()) == [1, 2, 3, 4, 5]
+    assert a.num_free == 0
+
+
+def test_alloc_zero_and_too_many():
+    a = PageAllocator(4, 1)
+    empty = a.alloc(0)
+    assert empty.numel() == 0 and empty.dtype == torch.int64
+    assert a.num_free == 3
+    with pytest.raises(OutOfPages):
+        a.alloc(4)
+    # a failed alloc takes nothing
+    assert a.num_free == 3
+    assert a.alloc(3).numel() == 3
+
+
+def test_release_returns_pages():
+    a = PageAllocator(5, 4)
+    pages = a.alloc(3)
+    a.release(pages)
+    assert a.num_free == a.capacity
+    assert (a.refcount[1:] == 0).all()
+    assert a.refcount[0] == 1
+    again = a.alloc(4)
+    assert sorted(again.tolist()) == [1, 2, 3, 4]
+
+
+def test_retain_release_refcounting():
+    a = PageAllocator(5, 1)
+    pages = a.alloc(2)
+    a.retain(pages)
+    assert (a.refcount[pages] == 2).all()
+    a.release(pages)  # one owner left
+    assert a.num_free == 2
+    assert (a.refcount[pages] == 1).all()
+    a.release(pages[:1])  # last owner of the first page
+    assert a.num_free == 3
+    assert a.refcount[pages[0]] == 0 and a.refcount[pages[1]] == 1
+    a.release(pages[1:])
+    assert a.num_free == a.capacity
+
+
+def test_shared_page_not_handed_out_while_held():
+    a = PageAllocator(3, 1)
+    p = a.alloc(1)
+    a.retain(p)
+    a.release(p)
+    other = a.alloc(1)
+    assert other.item() != p.item()
+    with pytest.raises(OutOfPages):
+        a.alloc(1)
+
+
+def test_double_release_raises():
+    a = PageAllocator(4, 2)
+    pages = a.alloc(2)
+    a.release(pages)
+    with pytest.raises(RuntimeError):
+        a.release(pages)
+
+
+def test_release_of_never_allocated_page_raises():
+    a = PageAllocator(4, 2)
+    with pytest.raises(RuntimeError):
+        a.release(torch.tensor([3]))
+
+
+def test_release_padding_page_raises():
+    a = PageAllocator(4, 2)
+    with pytest.raises(RuntimeError):
+        a.release(torch.tensor([0]))
+
+
+def test_retain_of_free_page_raises():
+    a = PageAllocator(4, 2)
+    with pytest.raises(RuntimeError):
+        a.retain(torch.tensor([2]))
+    pages = a.alloc(1)
+    a.release(pages)
+    with pytest.raises(RuntimeError):
+        a.retain(pages)
+
+
+def test_empty_retain_release_are_noops():
+    a = PageAllocator(4, 2)
+    a.retain(torch.empty(0, dtype=torch.int64))
+    a.release(torch.empty(0, dtype=torch.int64))
+    assert a.num_free == 3
+
+
+def test_accounting_returns_to_full_after_mixed_use():
+    a = PageAllocator(17, 4)
+    held = []
+    for n in (3, 5, 2):
+        held.append(a.alloc(n))
+    a.retain(held[1])
+    assert a.num_free == 16 - 10
+    for p in held:
+        a.release(p)
+    assert a.num_free == 16 - 5  # held[1] still has one owner
+    a.release(held[1])
+    assert a.num_free == a.capacity == 16
+    assert sorted(a.alloc(16).tolist()) == list(range(1, 17))
+
+
+# ---- ReqToTokenPool --------------------------------------------------------------
+def test_req_to_token_pool_alloc_free():
+    pool = ReqToTokenPool(3, 10, torch.device("cpu"))
+    assert pool.table.shape == (3, 10)
+    assert pool.table.dtype == torch.int64
+    assert pool.num_free == 3
+    rows = [pool.alloc() for _ in range(3)]
+    assert sorted(rows) == [0, 1, 2]
+    assert pool.num_free == 0
+    with pytest.raises(OutOfPages):
+        pool.alloc()
+    pool.free(rows[1])
+    assert pool.num_free == 1
+    assert pool.alloc() == rows[1]
+
+
+def test_req_to_token_pool_double_free_raises():
+    pool = ReqToTokenPool(2, 4, torch.device("cpu"))
+    r = pool.alloc()
+    pool.free(r)
+    with pytest.raises(RuntimeError):
+        pool.free(r)
+    assert pool.num_free == 2
+
+
+# ---- TokenToKVPool -----------------------------------------------------------------
+def _pool(name="target", layers=3, slots=16, heads=2, dim=4, dtype=torch.float32):
+    return TokenToKVPool(name, layers, slots, heads, dim, dtype, torch.device("cpu"))
+
+
+def test_buffers_names_and_shapes():
+    pool = _pool(layers=3)
+    bufs = pool.buffers()
+    assert list(bufs) == ["target.L0.K", "target.L0.V", "target.L1.K", "target.L1.V",
+                          "target.L2.K", "target.L2.V"]
+    for t in bufs.values():
+        assert t.shape == (16, 2, 4)
+        assert t.is_contiguous()
+        assert torch.count_nonzero(t) == 0
+    assert bufs["target.L1.K"] is pool.k[1]
+    assert bufs["target.L2.V"] is pool.v[2]
+    # every buffer is its own storage
+    ptrs = {t.data_ptr() for t in bufs.values()}
+    assert len(ptrs) == 6
+    assert list(_pool(name="draft", layers=1).buffers()) == ["draft.L0.K", "draft.L0.V"]
+
+
+def test_write_gather_round_trip():
+    pool = _pool()
+    loc = torch.tensor([3, 7, 8])
+    k = torch.randn(3, 2, 4)
+    v = torch.randn(3, 2, 4)
+    pool.write(1, loc, k, v)
+    gk, gv = pool.gather(1, torch.tensor([8, 3]), torch.float32)
+    assert torch.equal(gk, k[[2, 0]])
+    assert torch.equal(gv, v[[2, 0]])
+    # other layers and slots untouched
+    assert torch.count_nonzero(pool.k[0]) == 0 and torch.count_nonzero(pool.v[2]) == 0
+    assert torch.count_nonzero(pool.k[1][[0, 1, 2, 4, 5, 6, 9]]) == 0
+    # K and V are not swapped
+    assert not torch.equal(pool.k[1][3], pool.v[1][3])
+
+
+def test_write_casts_to_pool_dtype_and_gather_casts_out():
+    pool = _pool(dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 4)
+    v = torch.randn(2, 2, 4)
+    pool.write(0, torch.tensor([1, 2]), k, v)
+    assert pool.k[0].dtype == torch.bfloat16
+    gk, gv = pool.gather(0, torch.tensor([1, 2]), torch.float32)
+    assert gk.dtype == torch.float32
+    assert torch.allclose(gk, k, atol=2e-2, rtol=2e-2)
+    assert torch.allclose(gv, v, atol=2e-2, rtol=2e-2)
+
+
+def test_copy_slots_all_layers():
+    pool = _pool(layers=2)
+    src = torch.tensor([1, 2])
+    dst = torch.tensor([10, 11])
+    for layer in range(2):
+        pool.write(layer, src, torch.randn(2, 2, 4), torch.randn(2, 2, 4))
+    pool.copy_slots(dst, src)
+    for layer in range(2):
+        assert torch.equal(pool.k[layer][dst], pool.k[layer][src])
+        assert torch.equal(pool.v[layer][dst], pool.v[layer][src])
+    # sources unchanged, other slots untouched
+    assert torch.count_nonzero(pool.k[0][3:10]) == 0
+    assert torch.count_nonzero(pool.v[1][12:]) == 0
+
+
+def test_bytes_per_token():
+    assert TokenToKVPool.bytes_per_token(2, 4, 8, torch.float32) == 2 * 2 * 4 * 8 * 4
+    assert TokenToKVPool.bytes_per_token(3, 1, 16, torch.bfloat16) == 2 * 3 * 1 * 16 * 2

@@ -1,0 +1,170 @@
+"""ServerArgs: SGLang flag names, strict validation, frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pdserve.config import ConfigError, ServerArgs
+
+
+def test_defaults_construct():
+    args = ServerArgs()
+    assert args.model_path is None
+    assert args.tp_size == 1
+    assert args.page_size == 1
+    assert args.chunked_prefill_size == 8192
+    assert args.disable_radix_cache is False
+    assert args.schedule_policy == "fcfs"
+    assert args.dtype == "auto"
+    assert args.kv_cache_dtype == "auto"
+    assert args.max_total_tokens is None
+    assert args.random_seed is None
+    assert 0.0 < args.mem_fraction_static < 1.0
+
+
+def test_from_cli_empty_equals_defaults():
+    assert ServerArgs.from_cli([]) == ServerArgs()
+
+
+def test_from_cli_parses_sglang_flags(tmp_path):
+    args = ServerArgs.from_cli([
+        "--model-path", str(tmp_path),
+        "--tp-size", "2",
+        "--page-size", "16",
+        "--chunked-prefill-size", "-1",
+        "--disable-radix-cache",
+        "--schedule-policy", "lpm",
+        "--max-total-tokens", "4096",
+        "--context-length", "512",
+        "--random-seed", "1234",
+        "--dtype", "bfloat16",
+        "--kv-cache-dtype", "float16",
+        "--mem-fraction-static", "0.5",
+    ])
+    assert args.model_path == str(tmp_path)
+    assert args.tp_size == 2 and isinstance(args.tp_size, int)
+    assert args.page_size == 16
+    assert args.chunked_prefill_size == -1
+    assert args.disable_radix_cache is True
+    assert args.schedule_policy == "lpm"
+    assert args.max_total_tokens == 4096 and isinstance(args.max_total_tokens, int)
+    assert args.context_length == 512
+    assert args.random_seed == 1234
+    assert args.dtype == "bfloat16"
+    assert args.kv_cache_dtype == "float16"
+    assert args.mem_fraction_static == pytest.approx(0.5)
+    # Flags not given keep their defaults.
+    assert args.max_running_requests == ServerArgs().max_running_requests
+
+
+def test_from_cli_matches_from_kwargs(tmp_path):
+    cli = ServerArgs.from_cli(["--model-path", str(tmp_path), "--page-size", "4",
+                               "--max-total-tokens", "64", "--disable-radix-cache"])
+    kw = ServerArgs.from_kwargs(model_path=str(tmp_path), page_size=4, max_total_tokens=64,
+                                disable_radix_cache=True)
+    assert cli == kw
+
+
+@pytest.mark.parametrize("argv", [["--no-such-flag"], ["--no-such-flag", "3"], ["positional"]])
+def test_unknown_cli_flag_raises(argv):
+    with pytest.raises(ConfigError) as exc:
+        ServerArgs.from_cli(argv)
+    assert argv[0] in str(exc.value)
+
+
+@pytest.mark.parametrize("argv, flag_name", [
+    (["--page-size", "0"], "--page-size"),
+    (["--page-size", "abc"], "--page-size"),
+    (["--tp-size", "0"], "--tp-size"),
+    (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
+    (["--mem-fraction-static", "0"], "--mem-fraction-static"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype"),
+    (["--schedule-policy", "foo"], "--schedule-policy"),
+    (["--trust-remote-code"], "--trust-remote-code"),
+    (["--attention-backend", "flashinfer"], "--attention-backend"),
+    (["--attention-backend", "triton"], "--attention-backend"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
+    (["--chunked-prefill-size", "-2"], "--chunked-prefill-size"),
+    (["--max-total-tokens", "0"], "--max-total-tokens"),
+    (["--context-length", "1"], "--context-length"),
+    (["--random-seed", "-1"], "--random-seed"),
+    (["--max-running-requests", "0"], "--max-running-requests"),
+    (["--model-path", "/nonexistent/pdserve/model/dir"], "--model-path"),
+    (["--tokenizer-path", "/nonexistent/pdserve/tok/dir"], "--tokenizer-path"),
+])
+def test_invalid_cli_value_names_flag(argv, flag_name):
+    with pytest.raises(ConfigError) as exc:
+        ServerArgs.from_cli(argv)
+    assert flag_name in str(exc.value)
+
+
+def test_max_total_tokens_smaller_than_page(tmp_path):
+    with pytest.raises(ConfigError, match="--max-total-tokens"):
+        ServerArgs.from_cli(["--page-size", "16", "--max-total-tokens", "8"])
+    # exactly one page is fine
+    assert ServerArgs.from_cli(["--page-size", "16", "--max-total-tokens", "16"]).max_total_tokens == 16
+
+
+def test_device_cuda_without_cuda_raises(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="--device"):
+        ServerArgs.from_cli(["--device", "cuda"])
+    with pytest.raises(ConfigError, match="--device"):
+        ServerArgs(device="cuda")
+    # cpu and auto are always fine; auto resolves to cpu here
+    assert ServerArgs(device="cpu").resolved_device() == torch.device("cpu")
+    assert ServerArgs(device="auto").resolved_device() == torch.device("cpu")
+
+
+def test_from_kwargs_unknown_names_flag():
+    with pytest.raises(ConfigError) as exc:
+        ServerArgs.from_kwargs(bogus=1)
+    assert "--bogus" in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
+        ServerArgs.from_kwargs(page_size=4, other_thing=2)
+    assert "--other-thing" in str(exc.value)
+
+
+@pytest.mark.parametrize("kwargs, flag_name", [
+    ({"page_size": "16"}, "--page-size"),
+    ({"tp_size": True}, "--tp-size"),
+    ({"tp_size": 1.0}, "--tp-size"),
+    ({"max_total_tokens": "64"}, "--max-total-tokens"),
+    ({"mem_fraction_static": "0.5"}, "--mem-fraction-static"),
+    ({"mem_fraction_static": True}, "--mem-fraction-static"),
+    ({"disable_radix_cache": 1}, "--disable-radix-cache"),
+    ({"dtype": None}, "--dtype"),
+    ({"random_seed": 1.5}, "--random-seed"),
+])
+def test_wrong_python_types_raise(kwargs, flag_name):
+    with pytest.raises(ConfigError) as exc:
+        ServerArgs.from_kwargs(**kwargs)
+    assert flag_name in str(exc.value)
+
+
+def test_int_accepted_for_float_field():
+    assert ServerArgs(mem_fraction_static=0.5).mem_fraction_static == 0.5
+    assert ServerArgs(cpu_kv_budget_gb=2).cpu_kv_budget_gb == 2
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_frozen():
+    args = ServerArgs()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.page_size = 4  # type: ignore[misc]
+    assert args.page_size == 1
+
+
+def test_replace_revalidates():
+    args = ServerArgs()
+    assert args.replace(page_size=8).page_size == 8
+    assert args.page_size == 1
+    with pytest.raises(ConfigError, match="--page-size"):
+        args.replace(page_size=0)

@@ -1,0 +1,168 @@
+"""Offline Engine API: sampling semantics, stop conditions, n > 1, input validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import GREEDY, random_prompts
+
+PROMPTS = random_prompts(4, 5, 40, seed=5)
+
+
+@pytest.fixture
+def engine(make_engine, llama_dir):
+    return make_engine(llama_dir)
+
+
+def test_same_seed_same_output_whatever_the_batch(engine):
+    params = {"temperature": 1.0, "top_p": 0.9, "seed": 1234, "max_new_tokens": 16, "ignore_eos": True}
+    alone = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    batched = engine.generate(input_ids=PROMPTS, sampling_params=[params] + [
+        {"temperature": 0.7, "max_new_tokens": 9, "ignore_eos": True}] * 3)
+    assert alone["output_ids"] == batched[0]["output_ids"]
+    other = engine.generate(input_ids=PROMPTS[0], sampling_params=dict(params, seed=99))
+    assert other["output_ids"] != alone["output_ids"]
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = engine.generate(input_ids=PROMPTS[1], sampling_params=dict(GREEDY, max_new_tokens=12))
+    topk1 = engine.generate(input_ids=PROMPTS[1], sampling_params={
+        "temperature": 1.0, "top_k": 1, "max_new_tokens": 12, "ignore_eos": True})
+    assert topk1["output_ids"] == greedy["output_ids"]
+
+
+def test_max_new_tokens_exact(engine):
+    for n in (1, 7, 20):
+        out = engine.generate(input_ids=PROMPTS[2], sampling_params=dict(GREEDY, max_new_tokens=n))
+        assert len(out["output_ids"]) == n == out["meta_info"]["completion_tokens"]
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+
+
+def test_stop_string_cuts_exactly(engine):
+    prompt = "The quick brown fox"
+    full = engine.generate(prompt, dict(GREEDY, max_new_tokens=30))
+    text = full["text"]
+    assert len(text) >= 12
+    stop = text[5:8]
+    first = text.find(stop)
+    out = engine.generate(prompt, dict(GREEDY, max_new_tokens=30, stop=[stop, "\x00never"]))
+    assert out["text"] == text[:first]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # The output tokens end with the token that completed the stop string.
+    n = len(out["output_ids"])
+    assert out["output_ids"] == full["output_ids"][:n]
+    assert stop in engine.tokenizer.decode(out["output_ids"]) and \
+        stop not in engine.tokenizer.decode(out["output_ids"][:-1])
+    kept = engine.generate(prompt, dict(GREEDY, max_new_tokens=30, stop=stop, no_stop_trim=True))
+    assert kept["text"].endswith(stop)
+
+
+def test_stop_token_ids_and_min_new_tokens(engine):
+    full = engine.generate(input_ids=PROMPTS[3], sampling_params=dict(GREEDY, max_new_tokens=20))
+    ids = full["output_ids"]
+    stop_tok = ids[4]
+    out = engine.generate(input_ids=PROMPTS[3], sampling_params=dict(
+        GREEDY, max_new_tokens=20, stop_token_ids=[stop_tok]))
+    cut = ids.index(stop_tok) + 1
+    assert out["output_ids"] == ids[:cut]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    # min_new_tokens: the stop token cannot be drawn before the minimum.
+    first = ids[0]
+    out = engine.generate(input_ids=PROMPTS[3], sampling_params=dict(
+        GREEDY, max_new_tokens=20, stop_token_ids=[first], min_new_tokens=5))
+    assert len(out["output_ids"]) >= 5 and first not in out["output_ids"][:4]
+
+
+def test_n_samples_share_prompt(engine):
+    params = {"temperature": 1.0, "n": 3, "seed": 7, "max_new_tokens": 12, "ignore_eos": True}
+    outs = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    assert len(outs) == 3
+    assert len({tuple(o["output_ids"]) for o in outs}) == 3
+    assert all(o["meta_info"]["prompt_tokens"] == len(PROMPTS[0]) for o in outs)
+    again = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
+    # Greedy samples all agree with a single greedy run.
+    greedy = engine.generate(input_ids=PROMPTS, sampling_params=dict(GREEDY, n=2, max_new_tokens=8))
+    single = engine.generate(input_ids=PROMPTS, sampling_params=dict(GREEDY, max_new_tokens=8))
+    assert len(greedy) == 2 * len(PROMPTS)
+    for i, s in enumerate(single):
+        assert greedy[2 * i]["output_ids"] == greedy[2 * i + 1]["output_ids"] == s["output_ids"]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_n_samples_with_partial_page(make_engine, llama_dir, page_size):
+    engine = make_engine(llama_dir, page_size=page_size)
+    prompt = PROMPTS[0][:21]  # not a multiple of the page size: the last page is copied
+    ref = engine.generate(input_ids=prompt, sampling_params=dict(GREEDY, max_new_tokens=10))
+    outs = engine.generate(input_ids=prompt, sampling_params=dict(GREEDY, n=3, max_new_tokens=10))
+    assert all(o["output_ids"] == ref["output_ids"] for o in outs)
+
+
+def test_top_logprobs(engine):
+    out = engine.generate(input_ids=PROMPTS[1], sampling_params=dict(GREEDY, max_new_tokens=6),
+                          return_logprob=True, top_logprobs_num=3)
+    meta = out["meta_info"]
+    assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == 6
+    for (lp, tok, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert len(top) == 3
+        assert [t[0] for t in top] == sorted((t[0] for t in top), reverse=True)
+        assert top[0][1] == tok and abs(top[0][0] - lp) < 1e-6
+
+
+def test_penalties_change_greedy_choice(engine):
+    base = engine.generate(input_ids=PROMPTS[2], sampling_params=dict(GREEDY, max_new_tokens=30))
+    assert len(set(base["output_ids"])) < 30  # the random model repeats itself
+    pen = engine.generate(input_ids=PROMPTS[2], sampling_params=dict(
+        GREEDY, max_new_tokens=30, presence_penalty=2.0, frequency_penalty=2.0))
+    # Strong penalties forbid the repetition the plain run had.
+    assert len(set(pen["output_ids"])) > len(set(base["output_ids"]))
+    rep = engine.generate(input_ids=PROMPTS[2], sampling_params=dict(
+        GREEDY, max_new_tokens=30, repetition_penalty=2.0))
+    assert rep["output_ids"] != base["output_ids"]
+
+
+def test_text_prompt_and_list_of_prompts(engine):
+    one = engine.generate("hello", dict(GREEDY, max_new_tokens=5))
+    assert isinstance(one, dict) and one["meta_info"]["prompt_tokens"] == 5
+    many = engine.generate(["hello", "world!"], dict(GREEDY, max_new_tokens=5))
+    assert isinstance(many, list) and len(many) == 2
+    assert many[0]["output_ids"] == one["output_ids"]
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_new_tokens": -5}, "max_new_tokens"),
+    ({"n": 100}, "n"),
+    ({"bogus": 1}, "bogus"),
+    ({"stop": [""]}, "stop"),
+])
+def test_invalid_sampling_params_raise_naming_field(engine, params, field):
+    with pytest.raises(ValueError, match=field):
+        engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+
+
+def test_bad_inputs_raise(engine):
+    ctx = engine.context_len
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate(input_ids=[7] * ctx, sampling_params={"max_new_tokens": 1})
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(input_ids=[7] * (ctx - 10), sampling_params={"max_new_tokens": 20})
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate("", {"max_new_tokens": 1})
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.generate(input_ids=[7, 10**6])
+    with pytest.raises(ValueError):
+        engine.generate(prompt="a", input_ids=[7])
+    with pytest.raises(ValueError, match="top_logprobs_num"):
+        engine.generate("a", top_logprobs_num=-1)
+
+
+def test_unknown_engine_option_raises(llama_dir):
+    from pdserve import Engine
+    from pdserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--no-such-flag"):
+        Engine(model_path=str(llama_dir), no_such_flag=1)
+    with pytest.raises(ConfigError, match="--trust-remote-code"):
+        Engine(model_path=str(llama_dir), trust_remote_code=True)
