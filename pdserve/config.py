@@ -144,7 +144,7 @@ class ServerArgs:
 
     @classmethod
     def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
-        parser = _RaisingParser(prog="pdserve", description="pdserve server options")
+        parser = _RaisingParser(prog="pdserve", description="pdserve server options", allow_abbrev=False)
         cls.add_cli_args(parser)
         ns = parser.parse_args(list(argv) if argv is not None else None)
         return cls.from_namespace(ns)

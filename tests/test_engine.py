@@ -166,3 +166,16 @@ def test_unknown_engine_option_raises(llama_dir):
         Engine(model_path=str(llama_dir), no_such_flag=1)
     with pytest.raises(ConfigError, match="--trust-remote-code"):
         Engine(model_path=str(llama_dir), trust_remote_code=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_n_samples_finishing_apart_under_memory_pressure(make_engine, llama_dir, page_size):
+    # Samples of one prompt finish at different lengths while the pool is tight:
+    # the shared prompt pages must stay counted as in use until the last sample ends.
+    engine = make_engine(llama_dir, max_total_tokens=96, page_size=page_size)
+    prompts = random_prompts(3, 20, 30, seed=8)
+    params = {"temperature": 1.0, "n": 2, "max_new_tokens": 12, "stop_token_ids": list(range(6, 30))}
+    for seed in range(5):
+        outs = engine.generate(input_ids=prompts, sampling_params=dict(params, seed=seed))
+        assert len(outs) == 6
+        assert all(o["meta_info"]["finish_reason"]["type"] in ("stop", "length") for o in outs)

@@ -86,17 +86,19 @@ class TorchNativeAttention:
                 ctx: ForwardContext) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq*D]."""
         self.pool.write(layer, ctx.out_cache_loc, k, v)
-        keys, values = self.pool.gather(layer, ctx.kv_indices, q.dtype)      # [B, Lk, Hkv, D]
+        keys, values = self.pool.gather(layer, ctx.kv_indices, q.dtype)      # [B, Hkv, Lk, D]
         b, lq = ctx.batch_size, ctx.max_q_len
         if ctx.q_index is None:
-            qp = q.view(b, 1, self.num_heads, self.head_dim)
-        else:
-            qp = q.new_zeros(b * lq, self.num_heads, self.head_dim)
-            qp[ctx.q_index] = q
-            qp = qp.view(b, lq, self.num_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=ctx.attn_mask, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads)                    # [B, Hq, Lq, D]
+            # One new token per row: the query heads sharing a KV head act as that
+            # head's query rows, so no KV expansion is needed for GQA.
+            group = self.num_heads // self.num_kv_heads
+            qg = q.view(b, self.num_kv_heads, group, self.head_dim)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.attn_mask, scale=self.scale)
+            return out.reshape(b, self.num_heads * self.head_dim)
+        qp = q.new_zeros(b * lq, self.num_heads, self.head_dim)
+        qp[ctx.q_index] = q
+        qp = qp.view(b, lq, self.num_heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=ctx.attn_mask, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, Hq, Lq, D]
         out = out.transpose(1, 2).reshape(b * lq, self.num_heads * self.head_dim)
-        return out if ctx.q_index is None else out[ctx.q_index]
+        return out[ctx.q_index]

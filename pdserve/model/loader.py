@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from pdserve.model.layers import WeightShapeError
 from pdserve.model.transformer import CausalLM
 
 
@@ -64,7 +65,10 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         if param is None or (target, shard) not in expected:
             unexpected.append(ckpt_name)
             continue
-        param.weight_loader(tensor, shard)  # type: ignore[attr-defined]
+        try:
+            param.weight_loader(tensor, shard)  # type: ignore[attr-defined]
+        except WeightShapeError as exc:
+            raise WeightShapeError(f"{model_dir}: {ckpt_name}: {exc}") from None
         seen.add((target, shard))
         if tied and ckpt_name == "model.embed_tokens.weight":
             params["lm_head.weight"].weight_loader(tensor, None)  # type: ignore[attr-defined]

@@ -63,11 +63,11 @@ class PageAllocator:
         if not pages.numel():
             return
         pages = pages.cpu()
-        self.refcount[pages] -= 1
-        counts = self.refcount[pages]
-        if bool((counts < 0).any()) or bool((pages == 0).any()):
+        # Check before changing anything, so a refused release leaves no half-done state.
+        if bool((pages == 0).any()) or bool((self.refcount[pages] <= 0).any()):
             raise RuntimeError("KV page released more often than it was held")
-        self._free.extend(pages[counts == 0].tolist())
+        self.refcount[pages] -= 1
+        self._free.extend(pages[self.refcount[pages] == 0].tolist())
 
 
 class ReqToTokenPool:
@@ -132,7 +132,13 @@ class TokenToKVPool:
 
     def gather(self, layer: int, indices: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer][indices].to(dtype), self.v[layer][indices].to(dtype)
+        """K and V at `indices` ([B, L]) as [B, kv_heads, L, head_dim], contiguous."""
+        flat = indices.reshape(-1)
+        shape = indices.shape + self.k[layer].shape[1:]
+        # index_select on dim 0 is several times faster than advanced indexing on CPU.
+        k = self.k[layer].index_select(0, flat).view(shape).transpose(1, 2).contiguous()
+        v = self.v[layer].index_select(0, flat).view(shape).transpose(1, 2).contiguous()
+        return k.to(dtype), v.to(dtype)
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         for k, v in zip(self.k, self.v):

@@ -244,9 +244,12 @@ class Scheduler:
             req.cached_tokens = n
 
     def _alloc_pages(self, n: int) -> torch.Tensor:
-        short = n - self.allocator.num_free
-        if short > 0:
-            self.cache.evict(short)
+        while self.allocator.num_free < n:
+            if self.cache.evict(n - self.allocator.num_free) == 0:
+                # Admission and decode-room checks make this unreachable; if it is
+                # reached, the accounting is wrong and must not be papered over.
+                raise RuntimeError(f"KV accounting error: need {n} pages, {self.allocator.num_free} free, "
+                                   f"{self.cache.evictable_pages} reported evictable")
         return self.allocator.alloc(n)
 
     def _assign_slots(self, req: Req, start: int, end: int) -> None:
@@ -393,6 +396,13 @@ class Scheduler:
         ps, n = self.page_size, parent.kv_len
         full = n // ps * ps
         shared = self.req_table.table[parent.row, :full]
+        # Cache the prompt now and lock it for every sample: whichever sample
+        # finishes first must not leave shared pages counted as evictable.
+        self.cache.insert(parent.fill_ids[:full], shared.cpu())
+        prompt_node = self.cache.match_prefix(parent.fill_ids[:full]).node
+        self.cache.lock(prompt_node)
+        self.cache.unlock(parent.lock_node)
+        parent.lock_node = prompt_node
         for child in children:
             assert child.row is not None
             self.req_table.table[child.row, :full] = shared
@@ -404,8 +414,8 @@ class Scheduler:
                 self.req_table.table[child.row, full:n] = dst
             child.kv_len = n
             child.cached_tokens = parent.cached_tokens
-            child.lock_node = parent.lock_node
-            self.cache.lock(parent.lock_node)
+            child.lock_node = prompt_node
+            self.cache.lock(prompt_node)
         return children
 
     def _check_finished(self, req: Req) -> FinishReason | None:

@@ -102,6 +102,20 @@ def test_double_release_raises():
         a.release(pages)
 
 
+def test_rejected_release_leaves_allocator_unchanged():
+    """A release that raises must not half-apply: here page `ok` would lose its last
+    owner without reaching the free list (leaked forever) and `bad` would go to -1."""
+    a = PageAllocator(4, 1)
+    ok, bad = a.alloc(2).tolist()
+    a.release(torch.tensor([bad]))
+    before = a.refcount.clone()
+    with pytest.raises(RuntimeError):
+        a.release(torch.tensor([ok, bad]))
+    assert torch.equal(a.refcount, before)
+    a.release(torch.tensor([ok]))  # the legitimate release still works
+    assert a.num_free == a.capacity
+
+
 def test_release_of_never_allocated_page_raises():
     a = PageAllocator(4, 2)
     with pytest.raises(RuntimeError):
@@ -199,9 +213,18 @@ def test_write_gather_round_trip():
     k = torch.randn(3, 2, 4)
     v = torch.randn(3, 2, 4)
     pool.write(1, loc, k, v)
-    gk, gv = pool.gather(1, torch.tensor([8, 3]), torch.float32)
-    assert torch.equal(gk, k[[2, 0]])
-    assert torch.equal(gv, v[[2, 0]])
+    # gather: indices [B, L] -> [B, kv_heads, L, head_dim]
+    idx = torch.tensor([[8, 3, 0], [7, 7, 8]])
+    gk, gv = pool.gather(1, idx, torch.float32)
+    assert gk.shape == (2, 2, 3, 4) and gv.shape == (2, 2, 3, 4)
+    assert gk.is_contiguous() and gv.is_contiguous()
+    by_slot_k = {3: k[0], 7: k[1], 8: k[2], 0: torch.zeros(2, 4)}
+    by_slot_v = {3: v[0], 7: v[1], 8: v[2], 0: torch.zeros(2, 4)}
+    for b in range(2):
+        for j in range(3):
+            s = int(idx[b, j])
+            assert torch.equal(gk[b, :, j], by_slot_k[s])
+            assert torch.equal(gv[b, :, j], by_slot_v[s])
     # other layers and slots untouched
     assert torch.count_nonzero(pool.k[0]) == 0 and torch.count_nonzero(pool.v[2]) == 0
     assert torch.count_nonzero(pool.k[1][[0, 1, 2, 4, 5, 6, 9]]) == 0
@@ -215,10 +238,12 @@ def test_write_casts_to_pool_dtype_and_gather_casts_out():
     v = torch.randn(2, 2, 4)
     pool.write(0, torch.tensor([1, 2]), k, v)
     assert pool.k[0].dtype == torch.bfloat16
-    gk, gv = pool.gather(0, torch.tensor([1, 2]), torch.float32)
-    assert gk.dtype == torch.float32
-    assert torch.allclose(gk, k, atol=2e-2, rtol=2e-2)
-    assert torch.allclose(gv, v, atol=2e-2, rtol=2e-2)
+    gk, gv = pool.gather(0, torch.tensor([[1, 2]]), torch.float32)
+    assert gk.dtype == torch.float32 and gv.dtype == torch.float32
+    # [1, kv_heads, 2, head_dim] -> [2, kv_heads, head_dim]
+    assert torch.allclose(gk[0].transpose(0, 1), k, atol=2e-2, rtol=2e-2)
+    assert torch.allclose(gv[0].transpose(0, 1), v, atol=2e-2, rtol=2e-2)
+    assert torch.equal(gk[0].transpose(0, 1), k.to(torch.bfloat16).float())
 
 
 def test_copy_slots_all_layers():
