@@ -2,9 +2,15 @@
 
 The scheduler describes a batch as rows of the request table plus how many
 tokens each row already has in the KV pool (`prefix_lens`) and how many it adds
-(`extend_lens`). `ForwardContext.build` turns that into the tensors attention
-needs once per forward; every layer then reads them. New tokens are packed
-([T, ...]); attention pads them to [B, Lq] only inside SDPA.
+(`extend_lens`). `ForwardContext.build` turns that into what attention needs,
+once per forward; every layer then reads it. New tokens are packed [T, ...].
+
+Two shapes of work:
+- decode (one new token per row): one batched SDPA over KV gathered into
+  [B, Hkv, Lk, D], padded and masked to each row's length;
+- extend (prefill chunks, later tree verification): one SDPA per row over that
+  row's KV, causal kernels where the row has no prefix, so no compute is spent
+  on padding when prompt lengths differ.
 """
 
 from __future__ import annotations
@@ -21,55 +27,75 @@ class KVStore(Protocol):
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
-    def gather(self, layer: int, indices: torch.Tensor, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def gather(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """One extend row: its new tokens are q[q_start: q_start + q_len]; it attends to
+    kv[kv_start: kv_start + kv_len] of the packed gather, the last q_len of which are new."""
+    q_start: int
+    q_len: int
+    kv_start: int
+    kv_len: int
+    mask: torch.Tensor | None  # [q_len, kv_len] bool; None = plain causal with no prefix
 
 
 @dataclass
 class ForwardContext:
     positions: torch.Tensor        # [T] position of each new token
     out_cache_loc: torch.Tensor    # [T] KV slot each new token is written to
-    kv_indices: torch.Tensor       # [B, Lk] KV slots each row attends to (0 = padding slot)
-    attn_mask: torch.Tensor        # [B, 1, Lq, Lk] True = may attend
-    q_index: torch.Tensor | None   # [T] index of each packed token in the padded [B*Lq]; None if Lq == 1
     batch_size: int
-    max_q_len: int
+    is_decode: bool
+    # decode
+    kv_indices: torch.Tensor | None = None  # [B, Lk] slots per row (0 = padding slot)
+    attn_mask: torch.Tensor | None = None   # [B, 1, 1, Lk]
+    # extend
+    kv_flat: torch.Tensor | None = None     # [sum kv_len] slots of all rows, row after row
+    spans: tuple[RowSpan, ...] = ()
 
     @classmethod
     def build(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-              extend_lens: torch.Tensor, extra_mask: torch.Tensor | None = None) -> "ForwardContext":
-        """rows/prefix_lens/extend_lens: [B] int64 tensors on the model's device.
-        extra_mask: optional [B, Lq, Lk] restriction ANDed into the causal mask
-        (tree verification)."""
+              extend_lens: torch.Tensor, extra_masks: list[torch.Tensor | None] | None = None
+              ) -> "ForwardContext":
+        """rows/prefix_lens/extend_lens: [B] int64 on the model device. extra_masks:
+        per row an optional [q_len, q_len] restriction among the row's new tokens
+        (tree verification), ANDed into the causal mask."""
         device = rows.device
         batch = rows.shape[0]
         kv_lens = prefix_lens + extend_lens
-        max_q = int(extend_lens.max())
-        max_k = int(kv_lens.max())
-        k_ar = torch.arange(max_k, device=device)
-        kv_valid = k_ar.unsqueeze(0) < kv_lens.unsqueeze(1)                     # [B, Lk]
-        kv_indices = torch.where(kv_valid, req_to_token[rows, :max_k], 0)
-        if max_q == 1:
-            positions = prefix_lens.clone()
-            mask = kv_valid.view(batch, 1, 1, max_k)
-            out_loc = kv_indices.gather(1, positions.unsqueeze(1)).squeeze(1)
-            if extra_mask is not None:
-                mask = mask & extra_mask.view(batch, 1, 1, max_k)
-            return cls(positions, out_loc, kv_indices, mask, None, batch, 1)
-        q_ar = torch.arange(max_q, device=device)
-        q_valid = q_ar.unsqueeze(0) < extend_lens.unsqueeze(1)                  # [B, Lq]
-        q_pos = prefix_lens.unsqueeze(1) + q_ar.unsqueeze(0)                     # [B, Lq]
-        mask = (k_ar.view(1, 1, max_k) <= q_pos.unsqueeze(2)) & kv_valid.unsqueeze(1)
-        if extra_mask is not None:
-            mask = mask & extra_mask
-        # Padding query rows attend to slot 0 only so SDPA never sees an all-False row.
-        mask = mask & q_valid.unsqueeze(2)
-        mask[:, :, 0] |= ~q_valid
-        flat_valid = q_valid.reshape(-1)
-        q_index = torch.nonzero(flat_valid).squeeze(1)
-        positions = q_pos.reshape(-1)[q_index]
-        out_loc = kv_indices.gather(1, q_pos.clamp(max=max_k - 1)).reshape(-1)[q_index]
-        return cls(positions, out_loc, kv_indices, mask.unsqueeze(1), q_index, batch, max_q)
+        if extra_masks is None and bool((extend_lens == 1).all()):
+            max_k = int(kv_lens.max())
+            k_ar = torch.arange(max_k, device=device)
+            valid = k_ar.unsqueeze(0) < kv_lens.unsqueeze(1)
+            kv_indices = torch.where(valid, req_to_token[rows, :max_k], 0)
+            out_loc = req_to_token[rows, prefix_lens]
+            return cls(prefix_lens.clone(), out_loc, batch, True, kv_indices=kv_indices,
+                       attn_mask=valid.view(batch, 1, 1, max_k))
+        total_q = int(extend_lens.sum())
+        q_starts = torch.cumsum(extend_lens, 0) - extend_lens
+        rep_rows = torch.repeat_interleave(rows, extend_lens)
+        positions = (torch.arange(total_q, device=device) - torch.repeat_interleave(q_starts, extend_lens)
+                     + torch.repeat_interleave(prefix_lens, extend_lens))
+        out_loc = req_to_token[rep_rows, positions]
+        total_kv = int(kv_lens.sum())
+        kv_starts = torch.cumsum(kv_lens, 0) - kv_lens
+        kv_rows = torch.repeat_interleave(rows, kv_lens)
+        kv_pos = torch.arange(total_kv, device=device) - torch.repeat_interleave(kv_starts, kv_lens)
+        kv_flat = req_to_token[kv_rows, kv_pos]
+        spans = []
+        for i, (qs, ql, ks, kl, pre) in enumerate(zip(q_starts.tolist(), extend_lens.tolist(),
+                                                      kv_starts.tolist(), kv_lens.tolist(),
+                                                      prefix_lens.tolist())):
+            extra = extra_masks[i] if extra_masks is not None else None
+            mask = None
+            if pre > 0 or extra is not None:
+                q_pos = pre + torch.arange(ql, device=device)
+                mask = torch.arange(kl, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
+                if extra is not None:
+                    mask[:, pre:] &= extra.to(device)
+            spans.append(RowSpan(qs, ql, ks, kl, mask))
+        return cls(positions, out_loc, batch, False, kv_flat=kv_flat, spans=tuple(spans))
 
 
 class TorchNativeAttention:
@@ -79,6 +105,7 @@ class TorchNativeAttention:
         self.pool = kv_pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
@@ -86,19 +113,36 @@ class TorchNativeAttention:
                 ctx: ForwardContext) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq*D]."""
         self.pool.write(layer, ctx.out_cache_loc, k, v)
-        keys, values = self.pool.gather(layer, ctx.kv_indices, q.dtype)      # [B, Hkv, Lk, D]
-        b, lq = ctx.batch_size, ctx.max_q_len
-        if ctx.q_index is None:
-            # One new token per row: the query heads sharing a KV head act as that
-            # head's query rows, so no KV expansion is needed for GQA.
-            group = self.num_heads // self.num_kv_heads
-            qg = q.view(b, self.num_kv_heads, group, self.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.attn_mask, scale=self.scale)
-            return out.reshape(b, self.num_heads * self.head_dim)
-        qp = q.new_zeros(b * lq, self.num_heads, self.head_dim)
-        qp[ctx.q_index] = q
-        qp = qp.view(b, lq, self.num_heads, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=ctx.attn_mask, scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)  # [B, Hq, Lq, D]
-        out = out.transpose(1, 2).reshape(b * lq, self.num_heads * self.head_dim)
-        return out[ctx.q_index]
+        if ctx.is_decode:
+            return self._decode(layer, q, ctx)
+        return self._extend(layer, q, ctx)
+
+    def _decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        assert ctx.kv_indices is not None
+        keys, values = self.pool.gather(layer, ctx.kv_indices)              # [B, Lk, Hkv, D]
+        keys = keys.transpose(1, 2).contiguous().to(q.dtype)
+        values = values.transpose(1, 2).contiguous().to(q.dtype)
+        # One new token per row: the query heads sharing a KV head act as that
+        # head's query rows, so GQA needs no KV expansion.
+        b = ctx.batch_size
+        qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.attn_mask, scale=self.scale)
+        return out.reshape(b, self.num_heads * self.head_dim)
+
+    def _extend(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        assert ctx.kv_flat is not None
+        keys, values = self.pool.gather(layer, ctx.kv_flat)                 # [N, Hkv, D]
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        gqa = self.num_heads != self.num_kv_heads
+        for s in ctx.spans:
+            qi = q[s.q_start: s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)          # [1, Hq, q, D]
+            ki = keys[s.kv_start: s.kv_start + s.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vi = values[s.kv_start: s.kv_start + s.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            if s.mask is None:
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale,
+                                                   enable_gqa=gqa)
+            else:
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=s.mask, scale=self.scale,
+                                                   enable_gqa=gqa)
+            out[s.q_start: s.q_start + s.q_len] = o.squeeze(0).transpose(0, 1).reshape(s.q_len, -1)
+        return out

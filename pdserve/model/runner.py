@@ -10,7 +10,7 @@ import torch
 
 from pdserve.config import ConfigError, ServerArgs
 from pdserve.model.attention import ForwardContext, KVStore, TorchNativeAttention
-from pdserve.model.layers import RotaryEmbedding
+from pdserve.model.layers import Linear, RotaryEmbedding
 from pdserve.model.loader import load_weights
 from pdserve.model.model_config import ModelConfig
 from pdserve.model.parallel import TPGroup
@@ -55,6 +55,9 @@ class ModelRunner:
         model = model_class(cfg)(cfg, tp)
         load_weights(model, model_dir)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.prepack()
         attn = self.model.model.layers[0].self_attn
         self.num_local_heads = attn.num_heads
         self.num_local_kv_heads = attn.num_kv_heads

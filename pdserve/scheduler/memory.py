@@ -130,15 +130,13 @@ class TokenToKVPool:
         self.k[layer][loc] = k.to(self.dtype)
         self.v[layer][loc] = v.to(self.dtype)
 
-    def gather(self, layer: int, indices: torch.Tensor, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V at `indices` ([B, L]) as [B, kv_heads, L, head_dim], contiguous."""
+    def gather(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `indices` (any shape) as [*indices.shape, kv_heads, head_dim]."""
         flat = indices.reshape(-1)
         shape = indices.shape + self.k[layer].shape[1:]
         # index_select on dim 0 is several times faster than advanced indexing on CPU.
-        k = self.k[layer].index_select(0, flat).view(shape).transpose(1, 2).contiguous()
-        v = self.v[layer].index_select(0, flat).view(shape).transpose(1, 2).contiguous()
-        return k.to(dtype), v.to(dtype)
+        return (self.k[layer].index_select(0, flat).view(shape),
+                self.v[layer].index_select(0, flat).view(shape))
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         for k, v in zip(self.k, self.v):

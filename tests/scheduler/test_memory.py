@@ -213,18 +213,17 @@ def test_write_gather_round_trip():
     k = torch.randn(3, 2, 4)
     v = torch.randn(3, 2, 4)
     pool.write(1, loc, k, v)
-    # gather: indices [B, L] -> [B, kv_heads, L, head_dim]
+    # gather: indices [B, L] -> [B, L, kv_heads, head_dim]
     idx = torch.tensor([[8, 3, 0], [7, 7, 8]])
-    gk, gv = pool.gather(1, idx, torch.float32)
-    assert gk.shape == (2, 2, 3, 4) and gv.shape == (2, 2, 3, 4)
-    assert gk.is_contiguous() and gv.is_contiguous()
+    gk, gv = pool.gather(1, idx)
+    assert gk.shape == (2, 3, 2, 4) and gv.shape == (2, 3, 2, 4)
     by_slot_k = {3: k[0], 7: k[1], 8: k[2], 0: torch.zeros(2, 4)}
     by_slot_v = {3: v[0], 7: v[1], 8: v[2], 0: torch.zeros(2, 4)}
     for b in range(2):
         for j in range(3):
             s = int(idx[b, j])
-            assert torch.equal(gk[b, :, j], by_slot_k[s])
-            assert torch.equal(gv[b, :, j], by_slot_v[s])
+            assert torch.equal(gk[b, j], by_slot_k[s])
+            assert torch.equal(gv[b, j], by_slot_v[s])
     # other layers and slots untouched
     assert torch.count_nonzero(pool.k[0]) == 0 and torch.count_nonzero(pool.v[2]) == 0
     assert torch.count_nonzero(pool.k[1][[0, 1, 2, 4, 5, 6, 9]]) == 0
@@ -232,18 +231,17 @@ def test_write_gather_round_trip():
     assert not torch.equal(pool.k[1][3], pool.v[1][3])
 
 
-def test_write_casts_to_pool_dtype_and_gather_casts_out():
+def test_write_casts_to_pool_dtype_and_gather_keeps_it():
     pool = _pool(dtype=torch.bfloat16)
     k = torch.randn(2, 2, 4)
     v = torch.randn(2, 2, 4)
     pool.write(0, torch.tensor([1, 2]), k, v)
     assert pool.k[0].dtype == torch.bfloat16
-    gk, gv = pool.gather(0, torch.tensor([[1, 2]]), torch.float32)
-    assert gk.dtype == torch.float32 and gv.dtype == torch.float32
-    # [1, kv_heads, 2, head_dim] -> [2, kv_heads, head_dim]
-    assert torch.allclose(gk[0].transpose(0, 1), k, atol=2e-2, rtol=2e-2)
-    assert torch.allclose(gv[0].transpose(0, 1), v, atol=2e-2, rtol=2e-2)
-    assert torch.equal(gk[0].transpose(0, 1), k.to(torch.bfloat16).float())
+    gk, gv = pool.gather(0, torch.tensor([1, 2]))
+    assert gk.dtype == torch.bfloat16 and gk.shape == (2, 2, 4)
+    assert torch.allclose(gk.float(), k, atol=2e-2, rtol=2e-2)
+    assert torch.allclose(gv.float(), v, atol=2e-2, rtol=2e-2)
+    assert torch.equal(gk, k.to(torch.bfloat16))
 
 
 def test_copy_slots_all_layers():
