@@ -29,6 +29,8 @@ class KVStore(Protocol):
 
     def gather(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def gather_head_major(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 @dataclass(frozen=True)
 class RowSpan:
@@ -119,9 +121,8 @@ class TorchNativeAttention:
 
     def _decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         assert ctx.kv_indices is not None
-        keys, values = self.pool.gather(layer, ctx.kv_indices)              # [B, Lk, Hkv, D]
-        keys = keys.transpose(1, 2).contiguous().to(q.dtype)
-        values = values.transpose(1, 2).contiguous().to(q.dtype)
+        keys, values = self.pool.gather_head_major(layer, ctx.kv_indices)   # [B, Hkv, Lk, D]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         # One new token per row: the query heads sharing a KV head act as that
         # head's query rows, so GQA needs no KV expansion.
         b = ctx.batch_size
