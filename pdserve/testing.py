@@ -83,3 +83,20 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", *, hidden_size:
     gen = {"bos_token_id": 1, "eos_token_id": 2}
     (out / "generation_config.json").write_text(json.dumps(gen))
     return out
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write a tiny random checkpoint (+ character tokenizer).")
+    ap.add_argument("out_dir")
+    ap.add_argument("--arch", default="llama", choices=sorted(_ARCH))
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    args = ap.parse_args()
+    path = build_random_model(args.out_dir, args.arch, num_layers=args.layers, hidden_size=args.hidden)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
