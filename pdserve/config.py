@@ -57,6 +57,11 @@ class ServerArgs:
     # mem_fraction_static of this many GiB (a CPU has no device memory to measure).
     cpu_kv_budget_gb: float = 4.0
     log_level: str = "info"
+    # HTTP server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -105,6 +110,10 @@ class ServerArgs:
             raise bad("max_n", f"must be >= 1, got {self.max_n}")
         if self.cpu_kv_budget_gb <= 0:
             raise bad("cpu_kv_budget_gb", f"must be > 0, got {self.cpu_kv_budget_gb}")
+        if not 0 <= self.port <= 65535:
+            raise bad("port", f"must be in [0, 65535], got {self.port}")
+        if self.log_level not in ("debug", "info", "warning", "error", "critical"):
+            raise bad("log_level", f"invalid choice {self.log_level!r} (debug, info, warning, error, critical)")
         if self.model_path is not None and not os.path.isdir(self.model_path):
             raise bad("model_path", f"{self.model_path!r} is not a directory")
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):

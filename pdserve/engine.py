@@ -10,9 +10,8 @@ TP rank is started and rank 0 is driven over a pipe.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
-import random
-import uuid
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,10 +19,10 @@ from typing import Any, Sequence
 from pdserve.config import ConfigError, ServerArgs
 from pdserve.model.model_config import ModelConfig
 from pdserve.model.parallel import TPGroup
-from pdserve.sampling_params import SamplingParams
+from pdserve.requests import RequestBuilder
 from pdserve.scheduler.req import FinishKind, Req
 from pdserve.scheduler.scheduler import Scheduler
-from pdserve.scheduler.worker import Command, build_scheduler, free_tcp_port, run_rank
+from pdserve.scheduler.worker import Command, PipeIO, build_scheduler, free_tcp_port, run_rank
 from pdserve.tokenizer import load_tokenizer, trim_at_stop
 
 
@@ -50,20 +49,12 @@ def check_tp_layout(model_dir: Path, tp_size: int) -> None:
         raise ConfigError(f"--tp-size {tp_size}: hidden_size / intermediate_size not divisible by it")
 
 
-def sample_seed(base: int, index: int) -> int:
-    """Seed of sample `index` of a request whose first sample uses `base`."""
-    if index == 0:
-        return base
-    return random.Random(f"{base}:{index}").getrandbits(63)
-
-
 class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         self.model_dir = resolve_model_dir(self.args)
         self.tokenizer_dir = Path(self.args.tokenizer_path) if self.args.tokenizer_path else self.model_dir
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
-        self._rng = random.Random(self.args.random_seed)
         self._scheduler: Scheduler | None = None
         self._procs: list[mp.process.BaseProcess] = []
         self._conn: Any = None
@@ -76,6 +67,8 @@ class Engine:
             self.vocab_size = self._scheduler.vocab_size
         else:
             self._start_tp_workers()
+        self.builder = RequestBuilder(self.tokenizer, self.context_len, self.vocab_size, self.args.max_n,
+                                      self.args.random_seed)
 
     # ---- lifecycle --------------------------------------------------------------
     def _start_tp_workers(self) -> None:
@@ -86,9 +79,9 @@ class Engine:
         self._conn = parent_conn
         self._conn_box.append(parent_conn)
         for rank in range(self.args.tp_size):
+            make_io = functools.partial(PipeIO, child_conn) if rank == 0 else None
             proc = ctx.Process(target=run_rank, daemon=True, name=f"pdserve-tp{rank}",
-                               args=(self.args, self.model_dir, self.tokenizer_dir, rank, init,
-                                     child_conn if rank == 0 else None))
+                               args=(self.args, self.model_dir, self.tokenizer_dir, rank, init, make_io))
             proc.start()
             self._procs.append(proc)
         kind, info = self._recv()
@@ -138,28 +131,15 @@ class Engine:
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0
                  ) -> dict[str, Any] | list[dict[str, Any]]:
-        prompts, single = self._normalize_inputs(prompt, input_ids)
-        params = self._normalize_params(sampling_params, len(prompts))
-        if not isinstance(return_logprob, bool):
-            raise ValueError("return_logprob: must be a boolean")
-        if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) \
-                or not 0 <= top_logprobs_num <= 20:
-            raise ValueError(f"top_logprobs_num: must be an integer in [0, 20], got {top_logprobs_num!r}")
-        groups: list[list[Req]] = []
+        b = self.builder
+        prompts, single = b.token_ids(prompt, input_ids)
+        params = b.sampling_params(sampling_params, len(prompts))
+        b.check_logprob_args(return_logprob, top_logprobs_num)
         for ids, p in zip(prompts, params):
-            self._check_lengths(ids, p)
-            rid = uuid.uuid4().hex
-            base = p.seed if p.seed is not None else self._rng.getrandbits(63)
-            samples = [Req(rid=rid, prompt_ids=list(ids), params=p, seed=sample_seed(base, j),
-                           return_logprob=return_logprob or top_logprobs_num > 0,
-                           top_logprobs_num=top_logprobs_num, sample_index=j) for j in range(p.n)]
-            samples[0].pending_forks = samples[1:]
-            groups.append(samples)
+            b.check_lengths(ids, p)
+        groups = [b.group(ids, p, return_logprob, top_logprobs_num) for ids, p in zip(prompts, params)]
         finished = self._run([g[0] for g in groups], sum(len(g) for g in groups))
-        results = []
-        for g in groups:
-            for req in g:
-                results.append(self._result(finished[(req.rid, req.sample_index)]))
+        results = [self._result(finished[(req.rid, req.sample_index)]) for g in groups for req in g]
         if single:
             return results[0] if len(results) == 1 else results
         return results
@@ -207,52 +187,6 @@ class Engine:
             meta["finish_reason"]["length"] = len(req.output_ids)
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
-    # ---- validation -----------------------------------------------------------------
-    def _normalize_inputs(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("exactly one of prompt and input_ids must be given")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            texts = [prompt] if single else list(prompt)
-            if not texts or not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt: must be a string or a non-empty list of strings")
-            ids = [self.tokenizer(t)["input_ids"] for t in texts]
-        else:
-            if not isinstance(input_ids, (list, tuple)) or not input_ids:
-                raise ValueError("input_ids: must be a non-empty list of token ids or of lists")
-            single = not isinstance(input_ids[0], (list, tuple))
-            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
-            for seq in ids:
-                if not all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
-                    raise ValueError("input_ids: token ids must be integers")
-                bad = [t for t in seq if not 0 <= t < self.vocab_size]
-                if bad:
-                    raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary "
-                                     f"[0, {self.vocab_size})")
-        for seq in ids:
-            if not seq:
-                raise ValueError("prompt: is empty (no tokens)")
-        return ids, single
-
-    def _normalize_params(self, sampling_params: Any, n_prompts: int) -> list[SamplingParams]:
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != n_prompts:
-                raise ValueError(f"sampling_params: {len(sampling_params)} given for {n_prompts} prompts")
-            params = [SamplingParams.from_dict(p) for p in sampling_params]
-        else:
-            params = [SamplingParams.from_dict(sampling_params)] * n_prompts
-        for p in params:
-            if p.n > self.args.max_n:
-                raise ValueError(f"n: {p.n} is above the limit {self.args.max_n} (--max-n)")
-        return params
-
-    def _check_lengths(self, ids: list[int], p: SamplingParams) -> None:
-        if len(ids) >= self.context_len:
-            raise ValueError(f"prompt: {len(ids)} tokens do not fit the context length {self.context_len}")
-        if len(ids) + p.max_new_tokens > self.context_len:
-            raise ValueError(f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
-                             f"({p.max_new_tokens}) exceeds the context length {self.context_len}")
-
     # ---- inspection -------------------------------------------------------------------
     def flush_cache(self) -> bool:
         if self._scheduler is not None:
@@ -264,6 +198,6 @@ class Engine:
     def memory_state(self) -> dict[str, int]:
         if self._scheduler is not None:
             return self._scheduler.memory_state()
-        self._conn.send(Command(memory_state=True))
+        self._conn.send(Command(get_state=True))
         kind, payload = self._recv()
-        return payload
+        return payload["memory"]

@@ -76,6 +76,8 @@ class Scheduler:
         self.new_token_ratio = tuning.init_new_token_ratio
         self.num_retractions = 0
         self.num_forward_steps = 0
+        self.prompt_tokens_seen = 0   # prompt tokens of admitted requests
+        self.cached_tokens_seen = 0   # of which served from the prefix cache
 
     # ---- sizing ---------------------------------------------------------------
     def _size_pages(self) -> int:
@@ -240,8 +242,10 @@ class Scheduler:
             self.allocator.retain(match.slots[::self.page_size] // self.page_size)
         req.lock_node = match.node
         req.kv_len = n
-        if not req.output_ids:
+        if not req.output_ids and not req.retractions:
             req.cached_tokens = n
+            self.prompt_tokens_seen += len(req.prompt_ids) * (1 + len(req.pending_forks))
+            self.cached_tokens_seen += n * (1 + len(req.pending_forks))
 
     def _alloc_pages(self, n: int) -> torch.Tensor:
         while self.allocator.num_free < n:
@@ -472,6 +476,20 @@ class Scheduler:
             return False
         self.cache.reset()
         return True
+
+    def state(self) -> dict[str, object]:
+        mem = self.memory_state()
+        used = mem["kv_pages_total"] - mem["kv_pages_free"] - mem["kv_pages_evictable"]
+        return {
+            "memory": mem,
+            "num_running_reqs": len(self.running) + (1 if self.chunked else 0),
+            "num_waiting_reqs": len(self.waiting),
+            "num_retractions": self.num_retractions,
+            "num_forward_steps": self.num_forward_steps,
+            "token_usage": used / max(1, mem["kv_pages_total"]),
+            "cache_hit_rate": self.cached_tokens_seen / max(1, self.prompt_tokens_seen),
+            "context_len": self.context_len,
+        }
 
     def memory_state(self) -> dict[str, int]:
         return {

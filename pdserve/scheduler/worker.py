@@ -1,9 +1,10 @@
 """A scheduler rank: builds the runner and scheduler, then runs the TP lockstep loop.
 
 Every rank runs an identical scheduler. Rank 0 receives commands (new
-requests, aborts) and broadcasts them; all ranks then take the same step, so
-their scheduling decisions and KV layouts agree without further messages
-(sampled tokens are broadcast from rank 0 inside the step).
+requests, aborts, queries) through its `RankIO` and broadcasts them; all ranks
+then take the same step, so their scheduling decisions and KV layouts agree
+without further messages (sampled tokens are broadcast from rank 0 inside the
+step). The IO is a pipe for the offline engine and ZMQ for the server.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -22,7 +24,7 @@ from pdserve.config import ServerArgs
 from pdserve.model.parallel import TPGroup, init_tp_group
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.req import Req
-from pdserve.scheduler.scheduler import Scheduler
+from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -30,11 +32,54 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Command:
+    """What rank 0 receives and broadcasts to every rank."""
     add: tuple[Req, ...] = ()
     abort: tuple[str, ...] = ()
     flush_cache: bool = False
-    memory_state: bool = False
+    get_state: bool = False
     shutdown: bool = False
+
+    @staticmethod
+    def merge(cmds: list["Command"]) -> "Command":
+        return Command(
+            add=tuple(r for c in cmds for r in c.add),
+            abort=tuple(a for c in cmds for a in c.abort),
+            flush_cache=any(c.flush_cache for c in cmds),
+            get_state=any(c.get_state for c in cmds),
+            shutdown=any(c.shutdown for c in cmds),
+        )
+
+
+class RankIO(Protocol):
+    """Rank 0's link to whoever drives it."""
+
+    def receive(self, block: bool) -> list[Command]: ...
+
+    def reply(self, kind: str, payload: Any) -> None: ...
+
+    def publish(self, out: StepOutput) -> None: ...
+
+
+class PipeIO:
+    """The offline engine's link: commands in, finished requests out."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def receive(self, block: bool) -> list[Command]:
+        cmds = []
+        if block or self.conn.poll():
+            cmds.append(self.conn.recv())
+            while self.conn.poll():
+                cmds.append(self.conn.recv())
+        return cmds
+
+    def reply(self, kind: str, payload: Any) -> None:
+        self.conn.send((kind, payload))
+
+    def publish(self, out: StepOutput) -> None:
+        if out.finished:
+            self.conn.send(("finished", [detached(r) for r in out.finished]))
 
 
 def build_scheduler(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, tp: TPGroup) -> Scheduler:
@@ -54,60 +99,57 @@ def free_tcp_port() -> int:
 
 
 def run_rank(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, rank: int, init_method: str,
-             conn: Connection | None) -> None:
-    """Entry point of a TP scheduler process. Rank 0 talks to the engine over `conn`:
-    it receives Command objects and sends ("ready", info), ("finished", [Req]),
-    ("memory", dict), ("flushed", bool) or ("error", text)."""
+             make_io: Callable[[], RankIO] | None, ready: Connection | None = None) -> None:
+    """Entry point of a scheduler process. Rank 0 builds its IO with `make_io` (in
+    this process: sockets must not cross a fork) and reports ("ready", info) or
+    ("error", traceback) on `ready` (or through the IO's reply if no pipe is given)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
+    io = make_io() if make_io is not None else None
+    report = (lambda kind, payload: ready.send((kind, payload))) if ready is not None else (
+        io.reply if io is not None else None)
     try:
         tp = init_tp_group(rank, args.tp_size, init_method, args.resolved_device())
         sched = build_scheduler(args, model_dir, tokenizer_dir, tp)
     except Exception:
-        if conn is not None:
-            conn.send(("error", traceback.format_exc()))
+        if report is not None:
+            report("error", traceback.format_exc())
         raise
-    if conn is not None:
-        conn.send(("ready", {"context_len": sched.context_len}))
+    if report is not None:
+        report("ready", {"context_len": sched.context_len, "vocab_size": sched.vocab_size,
+                         "pid": os.getpid()})
+    serve(sched, tp, io)
+
+
+def serve(sched: Scheduler, tp: TPGroup, io: RankIO | None) -> None:
     while True:
-        if rank == 0:
-            assert conn is not None
-            cmds = []
-            # Block only when idle; otherwise drain what arrived and keep stepping.
-            if not sched.has_work or conn.poll():
-                cmds.append(conn.recv())
-                while conn.poll():
-                    cmds.append(conn.recv())
-            cmd = Command(
-                add=tuple(r for c in cmds for r in c.add),
-                abort=tuple(a for c in cmds for a in c.abort),
-                flush_cache=any(c.flush_cache for c in cmds),
-                memory_state=any(c.memory_state for c in cmds),
-                shutdown=any(c.shutdown for c in cmds),
-            )
+        if io is not None:
+            cmd = Command.merge(io.receive(block=not sched.has_work))
             tp.broadcast_object(cmd)
         else:
             cmd = tp.broadcast_object(None)  # type: ignore[assignment]
         if cmd.shutdown:
             break
-        finished: list[Req] = []
+        out = StepOutput()
         for req in cmd.add:
             sched.add(req)
         for rid in cmd.abort:
-            finished += sched.abort(rid)
-        if cmd.flush_cache:
-            flushed = sched.flush_cache()
-            if conn is not None:
-                conn.send(("flushed", flushed))
-        if cmd.memory_state and conn is not None:
-            conn.send(("memory", sched.memory_state()))
-        finished += sched.step().finished
-        if conn is not None and finished:
-            conn.send(("finished", [_detached(r) for r in finished]))
+            out.finished += sched.abort(rid)
+        if cmd.flush_cache and io is not None:
+            io.reply("flushed", sched.flush_cache())
+        elif cmd.flush_cache:
+            sched.flush_cache()
+        if cmd.get_state and io is not None:
+            io.reply("state", sched.state())
+        step = sched.step()
+        out.advanced += step.advanced
+        out.finished += step.finished
+        if io is not None and (out.advanced or out.finished):
+            io.publish(out)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
-def _detached(req: Req) -> Req:
+def detached(req: Req) -> Req:
     """A finished request without scheduler-owned handles, safe to pickle."""
     req.lock_node = None
     req.pending_forks = []
