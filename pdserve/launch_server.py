@@ -1,0 +1,35 @@
+"""`python -m pdserve.launch_server --model-path DIR ...` (also `pdserve serve ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve.config import ConfigError, ServerArgs
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":  # the `pdserve serve ...` console script
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="pdserve serve", description="Start a pdserve server.",
+                                     allow_abbrev=False)
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    try:
+        args = ServerArgs.from_namespace(ns)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    from pdserve.server.launch import launch
+
+    try:
+        return launch(args)
+    except (ConfigError, ValueError) as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Start a server instance: detokenizer and scheduler processes, then HTTP in this process.
+
+Startup waits for every child to report ready and fails with the child's
+message if one dies. On shutdown (Ctrl-C, SIGTERM) every child is stopped;
+children also die with this process if it is killed outright (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+
+from pdserve.config import ServerArgs
+from pdserve.engine import resolve_model_dir
+from pdserve.requests import RequestBuilder
+from pdserve.scheduler.worker import free_tcp_port
+from pdserve.server import ipc
+from pdserve.server.detokenizer import run_detokenizer_process
+from pdserve.server.http_server import create_app, server_args_dict
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.scheduler_process import run_scheduler_process
+from pdserve.server.tokenizer_manager import TokenizerManager
+from pdserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger("pdserve")
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def _wait_ready(children: list[tuple[Any, Any]], timeout: float = 600.0) -> list[dict[str, Any]]:
+    infos: list[dict[str, Any] | None] = [None] * len(children)
+    deadline = time.monotonic() + timeout
+    while any(i is None for i in infos):
+        if time.monotonic() > deadline:
+            raise StartupError("timed out waiting for the server processes to start")
+        for k, (proc, conn) in enumerate(children):
+            if infos[k] is not None:
+                continue
+            if conn.poll(0.05):
+                kind, payload = conn.recv()
+                if kind != "ready":
+                    raise StartupError(f"{proc.name} failed to start:\n{payload}")
+                infos[k] = payload
+            elif not proc.is_alive():
+                raise StartupError(f"{proc.name} exited during startup (exit code {proc.exitcode})")
+    return infos  # type: ignore[return-value]
+
+
+def stop_children(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 10
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+class _Server(uvicorn.Server):
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            host, port = self.config.host, self.config.port
+            print(f"pdserve ready on http://{host}:{port}", flush=True)
+
+
+def launch(args: ServerArgs) -> int:
+    model_dir = resolve_model_dir(args)
+    tokenizer_dir = resolve_tokenizer_dir(args, model_dir)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    paths = ipc.IpcPaths.create()
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    try:
+        pending = []
+        r, w = ctx.Pipe(duplex=False)
+        detok = ctx.Process(target=run_detokenizer_process, args=(tokenizer_dir, paths, w),
+                            name="pdserve-detokenizer", daemon=True)
+        pending.append((detok, r))
+        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+        for rank in range(args.tp_size):
+            r, w = ctx.Pipe(duplex=False)
+            sched = ctx.Process(target=run_scheduler_process,
+                                args=(args, model_dir, tokenizer_dir, rank, init_method, paths, w),
+                                name=f"pdserve-scheduler-tp{rank}", daemon=True)
+            pending.append((sched, r))
+        for proc, _ in pending:
+            proc.start()
+            procs.append(proc)
+        infos = _wait_ready(pending)
+        rank0 = infos[1]
+        builder = RequestBuilder(tokenizer, rank0["context_len"], rank0["vocab_size"], args.max_n,
+                                 args.random_seed)
+        metrics = ServerMetrics()
+        manager = TokenizerManager(builder, paths, metrics, procs)
+        model_name = args.served_model_name or str(args.model_path or model_dir)
+
+        def server_info() -> dict[str, Any]:
+            return {"server_args": server_args_dict(args), "version": _version(),
+                    "pids": [os.getpid()] + [p.pid for p in procs], "scheduler_pid": procs[1].pid,
+                    "model_path": str(model_dir)}
+
+        @asynccontextmanager
+        async def lifespan(_: Any) -> Any:
+            manager.start()
+            yield
+            await manager.close()
+
+        app = create_app(args, manager, model_name, server_info)
+        app.router.lifespan_context = lifespan
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=5)
+        _Server(config).run()
+        return 0
+    except StartupError as exc:
+        print(f"pdserve: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stop_children(procs)
+        paths.cleanup()
+
+
+def resolve_tokenizer_dir(args: ServerArgs, model_dir: Any) -> Any:
+    from pathlib import Path
+
+    return Path(args.tokenizer_path) if args.tokenizer_path else Path(model_dir)
+
+
+def _version() -> str:
+    from pdserve import __version__
+
+    return __version__

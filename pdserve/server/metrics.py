@@ -1,0 +1,37 @@
+"""Prometheus metrics of one server (its own registry: no process-global state)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("pdserve:num_running_reqs", "Requests being decoded or prefilled", registry=r)
+        self.queued = Gauge("pdserve:num_queue_reqs", "Requests waiting for admission", registry=r)
+        self.token_usage = Gauge("pdserve:token_usage", "Fraction of KV pages in use", registry=r)
+        self.cache_hit_rate = Gauge("pdserve:cache_hit_rate",
+                                    "Fraction of prompt tokens served from the prefix cache", registry=r)
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request latency, arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("pdserve:requests", "Finished requests by outcome", ["finish"], registry=r)
+
+    def update_state(self, state: dict[str, Any]) -> None:
+        self.running.set(state["num_running_reqs"])
+        self.queued.set(state["num_waiting_reqs"])
+        self.token_usage.set(state["token_usage"])
+        self.cache_hit_rate.set(state["cache_hit_rate"])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,159 @@
+"""Request bodies of the HTTP API (pydantic), with an honest field policy.
+
+Unknown fields are refused (400 naming the field). Fields OpenAI defines that
+would change the result but pdserve does not implement (tools, response
+formats, logit bias, ...) are accepted by the schema only so that the refusal
+can say exactly that.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.kind = kind
+
+
+def from_value_error(exc: ValueError) -> ApiError:
+    """Our validation messages start with the field name: `field: why`."""
+    text = str(exc)
+    field_name = text.split(":", 1)[0].strip() if ":" in text else None
+    return ApiError(text, field_name if field_name and " " not in field_name else None)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SGLangExtensions(_Strict):
+    """SGLang's extra sampling fields on the OpenAI routes (also what its router adds)."""
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    min_tokens: int = 0
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    rid: Optional[str] = None
+    # Accepted and without effect on the tokens (SGLang's router sends them).
+    separate_reasoning: Optional[bool] = None
+    stream_reasoning: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    # Would change results: refused when set.
+    return_hidden_states: Optional[bool] = None
+    regex: Optional[str] = None
+    json_schema: Optional[str] = None
+    ebnf: Optional[str] = None
+    lora_path: Optional[Any] = None
+
+
+# Fields refused whenever they are set to something other than "off".
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
+               "suffix", "audio", "modalities", "prediction", "web_search_options", "return_hidden_states",
+               "regex", "json_schema", "ebnf", "lora_path", "reasoning_effort")
+_OFF_VALUES: tuple[Any, ...] = (None, False, {}, [], "none", "auto", "text", {"type": "text"})
+
+
+class CompletionRequest(SGLangExtensions):
+    model: Optional[str] = None
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    best_of: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[int] = None
+    echo: bool = False
+    stop: Optional[Union[str, list[str]]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    user: Optional[str] = None
+    suffix: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SGLangExtensions):
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    seed: Optional[int] = None
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    parallel_tool_calls: Optional[bool] = None
+    service_tier: Optional[str] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    response_format: Optional[Any] = None
+    logit_bias: Optional[dict[str, float]] = None
+    audio: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    reasoning_effort: Optional[str] = None
+
+
+class GenerateRequest(_Strict):
+    """SGLang's native /generate."""
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: Optional[int] = None
+    stream: bool = False
+    rid: Optional[Union[str, list[str]]] = None
+
+
+def refuse_unsupported(req: BaseModel) -> None:
+    for name in UNSUPPORTED:
+        if name in type(req).model_fields:
+            value = getattr(req, name)
+            if value not in _OFF_VALUES:
+                raise ApiError(f"{name}: is not supported by pdserve", name)

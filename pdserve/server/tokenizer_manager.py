@@ -1,0 +1,239 @@
+"""The HTTP process's side of the pipeline: submit requests, route updates back.
+
+One asyncio task reads every message addressed to the HTTP process (text
+updates from the detokenizer, replies from the scheduler) and hands each to
+the waiting request. A watchdog notices a dead child process at once: every
+in-flight request then ends with an error and /health turns unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from pdserve.requests import RequestBuilder
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.worker import Command
+from pdserve.server import ipc
+from pdserve.server.messages import Reply, TextBatch, TextUpdate
+from pdserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class ServerUnavailable(RuntimeError):
+    pass
+
+
+@dataclass
+class SampleResult:
+    """What one sample has produced so far."""
+    index: int
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[float, int], ...]] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    retractions: int = 0
+
+
+@dataclass
+class RequestState:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleResult]
+    queue: asyncio.Queue  # shared by every prompt of one HTTP request
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.finish is not None for s in self.samples)
+
+
+@dataclass
+class Job:
+    """The prompts of one HTTP request and the queue their updates arrive on."""
+    states: list[RequestState]
+    queue: asyncio.Queue
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.states)
+
+
+class TokenizerManager:
+    def __init__(self, builder: RequestBuilder, paths: ipc.IpcPaths, metrics: ServerMetrics,
+                 children: list[Any]) -> None:
+        self.builder = builder
+        self.tokenizer = builder.tokenizer
+        self.metrics = metrics
+        self.children = children
+        self.ctx = zmq.asyncio.Context()
+        self.to_scheduler = ipc.socket(self.ctx, zmq.PUSH, paths.scheduler, bind=False)
+        self.inbox = ipc.socket(self.ctx, zmq.PULL, paths.http, bind=True)
+        self.requests: dict[str, RequestState] = {}
+        self.replies: dict[str, asyncio.Future] = {}
+        self.query_lock = asyncio.Lock()
+        self.dead_reason: str | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watchdog())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.ctx.destroy(linger=0)
+
+    # ---- submitting -----------------------------------------------------------------
+    def check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise ServerUnavailable(self.dead_reason)
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], return_logprob: bool,
+                     top_logprobs_num: int, rids: list[str] | None = None) -> Job:
+        """Validate and send every prompt. Raises ValueError on bad input."""
+        self.check_alive()
+        b = self.builder
+        b.check_logprob_args(return_logprob, top_logprobs_num)
+        for ids, p in zip(prompts, params):
+            b.check_lengths(ids, p)
+        if rids is not None:
+            if len(rids) != len(prompts) or len(set(rids)) != len(rids):
+                raise ValueError("rid: one distinct rid per prompt is required")
+            live = [r for r in rids if r in self.requests]
+            if live:
+                raise ValueError(f"rid: {live[0]!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        states, heads = [], []
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            group = b.group(ids, p, return_logprob, top_logprobs_num, rid=rids[i] if rids else None)
+            state = RequestState(group[0].rid, ids, p, [SampleResult(j) for j in range(p.n)], queue)
+            states.append(state)
+            heads.append(group[0])
+        for state in states:
+            self.requests[state.rid] = state
+        await self.to_scheduler.send(ipc.dumps(Command(add=tuple(heads))))
+        return Job(states, queue)
+
+    async def abort(self, rid: str) -> bool:
+        if rid not in self.requests:
+            return False
+        await self.to_scheduler.send(ipc.dumps(Command(abort=(rid,))))
+        return True
+
+    async def stream(self, job: Job) -> AsyncIterator[tuple[RequestState, TextUpdate]]:
+        """Yield (state, update) until every prompt of the job has finished. If the
+        consumer stops early (the client went away), the unfinished prompts are aborted."""
+        try:
+            while not job.finished:
+                item = await job.queue.get()
+                if isinstance(item, str):  # the server failed under us
+                    for state in job.states:
+                        state.error = item
+                    raise ServerUnavailable(item)
+                state, update = item
+                yield state, update
+        finally:
+            for state in job.states:
+                if not state.finished:
+                    await self.abort(state.rid)
+
+    async def wait(self, job: Job) -> Job:
+        async for _ in self.stream(job):
+            pass
+        return job
+
+    # ---- queries --------------------------------------------------------------------
+    async def query(self, cmd: Command, kind: str, timeout: float = 30.0) -> Any:
+        self.check_alive()
+        async with self.query_lock:
+            fut = asyncio.get_running_loop().create_future()
+            self.replies[kind] = fut
+            await self.to_scheduler.send(ipc.dumps(cmd))
+            try:
+                return await asyncio.wait_for(fut, timeout)
+            finally:
+                self.replies.pop(kind, None)
+
+    async def get_state(self) -> dict[str, Any]:
+        return await self.query(Command(get_state=True), "state")
+
+    async def flush_cache(self) -> bool:
+        return bool(await self.query(Command(flush_cache=True), "flushed"))
+
+    # ---- background -----------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            msg = ipc.loads(await self.inbox.recv())
+            if isinstance(msg, Reply):
+                fut = self.replies.get(msg.kind)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.payload)
+            elif isinstance(msg, TextBatch):
+                now = time.perf_counter()
+                for update in msg.updates:
+                    self._route(update, now)
+
+    def _route(self, update: TextUpdate, now: float) -> None:
+        tok = update.token
+        state = self.requests.get(tok.rid)
+        if state is None:
+            return
+        sample = state.samples[tok.index]
+        sample.text += update.text_delta
+        sample.output_ids.extend(tok.new_ids)
+        sample.logprobs.extend(tok.new_logprobs)
+        sample.top_logprobs.extend(tok.new_top_logprobs)
+        sample.prompt_tokens = tok.prompt_tokens
+        sample.cached_tokens = tok.cached_tokens
+        sample.retractions = tok.retractions
+        if tok.new_ids:
+            if state.first_token_at is None:
+                state.first_token_at = now
+                self.metrics.ttft.observe(now - state.created)
+            elif state.last_token_at is not None:
+                self.metrics.itl.observe((now - state.last_token_at) / len(tok.new_ids))
+            state.last_token_at = now
+            self.metrics.generation_tokens.inc(len(tok.new_ids))
+        if tok.finish is not None:
+            sample.finish = tok.finish
+            if sample.index == 0:
+                self.metrics.prompt_tokens.inc(tok.prompt_tokens * len(state.samples))
+        if state.finished:
+            self.metrics.e2e.observe(now - state.created)
+            self.metrics.requests.labels(finish=_finish_kind(state)).inc()
+            del self.requests[state.rid]
+        state.queue.put_nowait((state, update))
+
+    async def _watchdog(self) -> None:
+        while self.dead_reason is None:
+            await asyncio.sleep(0.2)
+            dead = [p for p in self.children if not p.is_alive()]
+            if dead:
+                self.dead_reason = (f"server process {dead[0].name} died (exit code {dead[0].exitcode}); "
+                                    "the server cannot serve requests")
+                logger.error(self.dead_reason)
+                for queue in {id(s.queue): s.queue for s in self.requests.values()}.values():
+                    queue.put_nowait(self.dead_reason)
+                self.requests.clear()
+                for fut in self.replies.values():
+                    if not fut.done():
+                        fut.set_exception(ServerUnavailable(self.dead_reason))
+
+
+def _finish_kind(state: RequestState) -> str:
+    kinds = {s.finish.get("type", "abort") for s in state.samples if s.finish}
+    return "abort" if "abort" in kinds else ("length" if kinds == {"length"} else "stop")

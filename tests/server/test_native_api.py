@@ -1,0 +1,310 @@
+"""SGLang-native routes: /generate (equal to Engine.generate), streaming, logprobs,
+/health, /health_generate, /get_server_info, /flush_cache, /metrics, /abort_request."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import GREEDY, random_prompts
+from tests.server.conftest import parse_sse_lines, pid_alive, scheduler_pid
+
+MAX_TOTAL_TOKENS = 8192
+TEXTS = ["The quick brown fox", "Hello, my name is", "1, 2, 3, 4,"]
+IDS = random_prompts(3, 5, 40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(start_server, llama_dir):
+    s = start_server(llama_dir, "--max-total-tokens", str(MAX_TOTAL_TOKENS))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    from pdserve import Engine
+
+    e = Engine(model_path=str(llama_dir), max_total_tokens=MAX_TOTAL_TOKENS)
+    yield e
+    e.shutdown()
+
+
+def post(server, path, body, **kw):
+    r = server.client.post(path, json=body, **kw)
+    assert r.status_code == 200, (path, body, r.status_code, r.text[:1000])
+    return r.json()
+
+
+def same_result(got, want, logprobs=False):
+    assert got["text"] == want["text"]
+    assert got["output_ids"] == want["output_ids"]
+    gm, wm = got["meta_info"], want["meta_info"]
+    for key in ("prompt_tokens", "completion_tokens", "finish_reason"):
+        assert gm[key] == wm[key], (key, gm[key], wm[key])
+    assert isinstance(gm["id"], str) and gm["id"]
+    assert isinstance(gm["cached_tokens"], int) and 0 <= gm["cached_tokens"] < gm["prompt_tokens"]
+    if logprobs:
+        g = gm["output_token_logprobs"]
+        w = wm["output_token_logprobs"]
+        assert [t for _, t, _ in g] == [t for _, t, _ in w]
+        for (glp, _, _), (wlp, _, _) in zip(g, w):
+            assert math.isclose(glp, wlp, abs_tol=1e-3), (glp, wlp)
+
+
+# ---- /generate --------------------------------------------------------------------------
+def test_generate_single_text(server, engine):
+    params = dict(GREEDY, max_new_tokens=12)
+    ref = engine.generate(TEXTS[0], params)
+    out = post(server, "/generate", {"text": TEXTS[0], "sampling_params": params})
+    assert isinstance(out, dict)
+    same_result(out, ref)
+    # Without ignore_eos, default params bar max_new_tokens: equal too.
+    params = {"temperature": 0, "max_new_tokens": 10}
+    same_result(post(server, "/generate", {"text": TEXTS[1], "sampling_params": params}),
+                engine.generate(TEXTS[1], params))
+
+
+def test_generate_batch_text_and_ids(server, engine):
+    params = dict(GREEDY, max_new_tokens=8)
+    refs = engine.generate(TEXTS, params)
+    out = post(server, "/generate", {"text": TEXTS, "sampling_params": params})
+    assert isinstance(out, list) and len(out) == len(TEXTS)
+    for got, want in zip(out, refs):
+        same_result(got, want)
+    refs = engine.generate(input_ids=IDS, sampling_params=params)
+    out = post(server, "/generate", {"input_ids": IDS, "sampling_params": params})
+    assert isinstance(out, list) and len(out) == len(IDS)
+    for got, want in zip(out, refs):
+        same_result(got, want)
+    single = post(server, "/generate", {"input_ids": IDS[0], "sampling_params": params})
+    assert isinstance(single, dict)
+    same_result(single, refs[0])
+    assert len({o["meta_info"]["id"] for o in out}) == len(out)
+
+
+def test_generate_per_prompt_sampling_params(server, engine):
+    params = [dict(GREEDY, max_new_tokens=n) for n in (3, 7, 5)]
+    refs = engine.generate(TEXTS, params)
+    out = post(server, "/generate", {"text": TEXTS, "sampling_params": params})
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [3, 7, 5]
+    for got, want in zip(out, refs):
+        same_result(got, want)
+
+
+def test_generate_n_seeded_equals_engine(server, engine):
+    params = {"temperature": 1.0, "n": 3, "seed": 7, "max_new_tokens": 10, "ignore_eos": True}
+    refs = engine.generate(input_ids=IDS[0], sampling_params=params)
+    out = post(server, "/generate", {"input_ids": IDS[0], "sampling_params": params})
+    assert isinstance(out, list) and len(out) == 3
+    assert [o["output_ids"] for o in out] == [r["output_ids"] for r in refs]
+
+
+def test_generate_return_logprob(server, engine):
+    params = dict(GREEDY, max_new_tokens=6)
+    ref = engine.generate(TEXTS[2], params, return_logprob=True, top_logprobs_num=3)
+    out = post(server, "/generate", {"text": TEXTS[2], "sampling_params": params,
+                                     "return_logprob": True, "top_logprobs_num": 3})
+    same_result(out, ref, logprobs=True)
+    top = out["meta_info"]["output_top_logprobs"]
+    assert len(top) == 6
+    for step, chosen in zip(top, out["output_ids"]):
+        assert len(step) == 3
+        assert step[0][1] == chosen  # greedy: the top entry is the chosen token
+        assert step[0][0] >= step[1][0] >= step[2][0]
+    plain = post(server, "/generate", {"text": TEXTS[2], "sampling_params": params})
+    assert "output_token_logprobs" not in plain["meta_info"] or \
+        not plain["meta_info"]["output_token_logprobs"]
+
+
+def stream_generate(server, body, timeout=60.0):
+    with server.client.stream("POST", "/generate", json=dict(body, stream=True), timeout=timeout) as r:
+        assert r.status_code == 200, (r.status_code, r.read()[:1000])
+        assert r.headers["content-type"].startswith("text/event-stream"), r.headers
+        return parse_sse_lines(r.iter_lines())
+
+
+def test_generate_stream_cumulative(server, engine):
+    params = dict(GREEDY, max_new_tokens=16)
+    ref = engine.generate(TEXTS[0], params)
+    events, done = stream_generate(server, {"text": TEXTS[0], "sampling_params": params})
+    assert done, "stream did not end with data: [DONE]"
+    assert len(events) >= 2, events
+    texts = [e["text"] for e in events]
+    for a, b in zip(texts, texts[1:]):
+        assert b.startswith(a), f"stream text is not cumulative: {a!r} then {b!r}"
+    assert texts[-1] == ref["text"]
+    last = events[-1]
+    assert last["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+    assert last["meta_info"]["completion_tokens"] == 16
+    if "output_ids" in last:
+        assert last["output_ids"] == ref["output_ids"]
+
+
+# ---- health & info -----------------------------------------------------------------------
+def test_health_routes(server):
+    assert server.client.get("/health").status_code == 200
+    r = server.client.get("/health_generate", timeout=30.0)
+    assert r.status_code == 200, r.text
+
+
+def test_server_info_shape(server, llama_dir):
+    info = server.info()
+    args = info["server_args"]
+    assert isinstance(args, dict)
+    assert args["model_path"] == str(llama_dir)
+    assert args["max_total_tokens"] == MAX_TOTAL_TOKENS
+    pids = info["pids"]
+    assert isinstance(pids, list) and pids and all(isinstance(p, int) for p in pids)
+    assert all(pid_alive(p) for p in pids), pids
+    sp = scheduler_pid(info)
+    assert isinstance(sp, int) and pid_alive(sp)
+    assert sp in pids
+    assert sp != server.proc.pid, "the scheduler should be its own process"
+    st = info["internal_state"]
+    mem = st["memory"]
+    for key in ("kv_pages_total", "kv_pages_free", "kv_pages_evictable", "req_slots_total",
+                "req_slots_free"):
+        assert isinstance(mem[key], int) and mem[key] >= 0, (key, mem)
+    assert mem["kv_pages_free"] <= mem["kv_pages_total"]
+    assert mem["req_slots_free"] <= mem["req_slots_total"]
+    assert isinstance(st["num_running_reqs"], int) and isinstance(st["num_waiting_reqs"], int)
+
+
+def test_flush_cache(server):
+    prompt = "cache me " * 10
+    params = dict(GREEDY, max_new_tokens=2)
+    post(server, "/generate", {"text": prompt, "sampling_params": params})
+    again = post(server, "/generate", {"text": prompt, "sampling_params": params})
+    assert again["meta_info"]["cached_tokens"] > 0
+    server.wait_idle()
+    mem = server.state()["memory"]
+    assert mem["kv_pages_evictable"] > 0, mem
+    r = server.client.post("/flush_cache")
+    assert r.status_code == 200, r.text
+    mem = server.state()["memory"]
+    assert mem["kv_pages_free"] == mem["kv_pages_total"], mem
+    assert mem["kv_pages_evictable"] == 0, mem
+    after = post(server, "/generate", {"text": prompt, "sampling_params": params})
+    assert after["meta_info"]["cached_tokens"] == 0
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+REQUIRED_METRICS = [
+    "pdserve:num_running_reqs", "pdserve:num_queue_reqs", "pdserve:token_usage",
+    "pdserve:cache_hit_rate", "pdserve:time_to_first_token_seconds",
+    "pdserve:inter_token_latency_seconds", "pdserve:e2e_request_latency_seconds",
+    "pdserve:prompt_tokens_total", "pdserve:generation_tokens_total",
+]
+
+
+def scrape(server):
+    r = server.client.get("/metrics")
+    assert r.status_code == 200, r.text
+    families = list(text_string_to_metric_families(r.text))
+    names = {f.name for f in families}
+    samples = {}
+    for f in families:
+        for s in f.samples:
+            # Sum over label sets.
+            samples[s.name] = samples.get(s.name, 0.0) + s.value
+    return names, samples
+
+
+def test_metrics(server):
+    names, before = scrape(server)
+    present = names | set(before)
+    missing = [m for m in REQUIRED_METRICS if m not in present]
+    assert not missing, f"missing metrics {missing}; have {sorted(present)}"
+    assert all(n.startswith("pdserve:") for n in names if not n.startswith(("python_", "process_")))
+    params = dict(GREEDY, max_new_tokens=5)
+    out = post(server, "/generate", {"input_ids": IDS[1], "sampling_params": params})
+    assert out["meta_info"]["completion_tokens"] == 5
+    deadline = time.monotonic() + 5
+    while True:
+        _, after = scrape(server)
+        d_prompt = after["pdserve:prompt_tokens_total"] - before.get("pdserve:prompt_tokens_total", 0)
+        d_gen = after["pdserve:generation_tokens_total"] - before.get("pdserve:generation_tokens_total", 0)
+        d_e2e = after.get("pdserve:e2e_request_latency_seconds_count", 0) - \
+            before.get("pdserve:e2e_request_latency_seconds_count", 0)
+        if (d_prompt >= len(IDS[1]) and d_gen >= 5 and d_e2e >= 1) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert d_prompt >= len(IDS[1]), (before, after)
+    assert d_gen >= 5, (before, after)
+    assert d_e2e >= 1, (before, after)
+    ttft = after.get("pdserve:time_to_first_token_seconds_count", 0) - \
+        before.get("pdserve:time_to_first_token_seconds_count", 0)
+    assert ttft >= 1
+
+
+# ---- abort ---------------------------------------------------------------------------------------
+def test_abort_request(server):
+    rid = "abort-me-123"
+    body = {"text": "long running", "rid": rid, "stream": True,
+            "sampling_params": dict(GREEDY, max_new_tokens=600)}
+    events: list = []
+    result: dict = {}
+
+    def reader():
+        try:
+            with httpx.stream("POST", server.url + "/generate", json=body, headers=server.headers,
+                              timeout=60.0) as r:
+                result["status"] = r.status_code
+                for line in r.iter_lines():
+                    result.setdefault("lines", []).append(line)
+        except Exception as exc:  # reported below
+            result["exc"] = repr(exc)
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while len([x for x in result.get("lines", []) if x.startswith("data:")]) < 3:
+        assert time.monotonic() < deadline and t.is_alive(), result
+        time.sleep(0.05)
+    r = server.client.post("/abort_request", json={"rid": rid})
+    assert r.status_code == 200, r.text
+    t.join(15)
+    assert not t.is_alive(), "stream did not end after /abort_request"
+    assert "exc" not in result, result
+    events, done = parse_sse_lines(result["lines"])
+    assert done
+    last = events[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort", last["meta_info"]
+    assert last["meta_info"]["completion_tokens"] < 600
+    server.wait_idle(5)
+    server.assert_pools_full()
+
+
+def test_abort_non_streaming_request(server):
+    rid = "abort-me-too"
+    result: dict = {}
+
+    def call():
+        r = httpx.post(server.url + "/generate", headers=server.headers, timeout=60.0,
+                       json={"text": "x", "rid": rid, "sampling_params": dict(GREEDY, max_new_tokens=600)})
+        result["status"], result["body"] = r.status_code, r.text
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while server.state()["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, "request never started running"
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert server.client.post("/abort_request", json={"rid": rid}).status_code == 200
+    t.join(15)
+    assert not t.is_alive(), "request did not end after /abort_request"
+    # SGLang answers an aborted request with its partial result (finish_reason abort).
+    import json as _json
+    body = _json.loads(result["body"])
+    if result["status"] == 200:
+        assert body["meta_info"]["finish_reason"]["type"] == "abort", body
+    else:
+        assert "error" in body and result["status"] < 500, result
+    server.assert_pools_full()
