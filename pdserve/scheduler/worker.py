@@ -103,7 +103,8 @@ def run_rank(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, rank: int, 
     """Entry point of a scheduler process. Rank 0 builds its IO with `make_io` (in
     this process: sockets must not cross a fork) and reports ("ready", info) or
     ("error", traceback) on `ready` (or through the IO's reply if no pipe is given)."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
+    if args.tp_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))  # ranks split the cores
     io = make_io() if make_io is not None else None
     report = (lambda kind, payload: ready.send((kind, payload))) if ready is not None else (
         io.reply if io is not None else None)
