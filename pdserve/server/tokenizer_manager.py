@@ -137,14 +137,19 @@ class TokenizerManager:
     async def stream(self, job: Job) -> AsyncIterator[tuple[RequestState, TextUpdate]]:
         """Yield (state, update) until every prompt of the job has finished. If the
         consumer stops early (the client went away), the unfinished prompts are aborted."""
+        # Count final updates as they are consumed: sample state is updated when a
+        # message arrives, possibly before earlier queued updates have been yielded.
+        unfinished = sum(len(st.samples) for st in job.states)
         try:
-            while not job.finished:
+            while unfinished:
                 item = await job.queue.get()
                 if isinstance(item, str):  # the server failed under us
                     for state in job.states:
                         state.error = item
                     raise ServerUnavailable(item)
                 state, update = item
+                if update.token.finish is not None:
+                    unfinished -= 1
                 yield state, update
         finally:
             for state in job.states:
