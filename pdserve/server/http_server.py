@@ -113,7 +113,8 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         if not isinstance(rid, str):
             raise ApiError("rid: must be a string", "rid")
         found = await manager.abort(rid)
-        return JSONResponse({"rid": rid, "aborted": found}, status_code=200 if found else 404)
+        # SGLang answers 200 whether or not the request was still running.
+        return JSONResponse({"rid": rid, "aborted": found})
 
     # ---- native /generate -----------------------------------------------------------
     @app.post("/generate")

@@ -31,13 +31,14 @@ def from_value_error(exc: ValueError) -> ApiError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "yes" is not a boolean and "2" not a number (OpenAI refuses them too).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SGLangExtensions(_Strict):
@@ -99,7 +100,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None

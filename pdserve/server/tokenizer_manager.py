@@ -109,6 +109,8 @@ class TokenizerManager:
         b = self.builder
         b.check_logprob_args(return_logprob, top_logprobs_num)
         for ids, p in zip(prompts, params):
+            if p.n > b.max_n:
+                raise ValueError(f"n: {p.n} is above the limit {b.max_n} (--max-n)")
             b.check_lengths(ids, p)
         if rids is not None:
             if len(rids) != len(prompts) or len(set(rids)) != len(rids):
