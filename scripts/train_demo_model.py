@@ -417,6 +417,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop (checkpointed) after this long; 0 = no limit")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--total-steps", type=int, default=6000)
+    p.add_argument("--set-total-steps", type=int, default=0,
+                   help="with --resume: change the checkpoint's total step count (moves the LR decay)")
     p.add_argument("--tokens-per-step", type=int, default=4096)
     p.add_argument("--short-row", type=int, default=192)
     p.add_argument("--lr", type=float, default=2.5e-3)
@@ -479,6 +481,8 @@ def main() -> None:
         # same run (only threads / time limits / paths may change).
         for k in ("total_steps", "tokens_per_step", "short_row", "lr", "warmup", "eval_every", "eval_n", "advance_at"):
             setattr(args, k, ck["args"][k])
+        if args.set_total_steps:
+            args.total_steps = args.set_total_steps
         log(f"resumed at step {step}, curriculum {cur}", logf)
     else:
         args.ckpt_dir.mkdir(parents=True, exist_ok=True)

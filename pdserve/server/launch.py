@@ -104,7 +104,7 @@ def launch(args: ServerArgs) -> int:
                                  args.random_seed)
         metrics = ServerMetrics()
         manager = TokenizerManager(builder, paths, metrics, procs)
-        model_name = args.served_model_name or str(args.model_path or model_dir)
+        model_name = args.served_model_name or (str(args.model_path) if args.model_path else "pdserve-demo")
 
         def server_info() -> dict[str, Any]:
             return {"server_args": server_args_dict(args), "version": _version(),
