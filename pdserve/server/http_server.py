@@ -162,6 +162,27 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         if name is not None and name != model_name:
             raise ApiError(f"model: {name!r} is not served here (serving {model_name!r})", "model")
 
+    def openai_stream(job: Job, obj: str, cid: str, created: int, options: Any,
+                      choice: Callable[[RequestState, Any], dict[str, Any] | None]) -> StreamingResponse:
+        """SSE chunks of an OpenAI stream: one per update that carries something,
+        a usage chunk if asked, an error event if the server failed, then [DONE]."""
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return sse({"id": cid, "object": obj, "created": created, "model": model_name,
+                        "choices": choices, **extra})
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for state, update in manager.stream(job):
+                    c = choice(state, update)
+                    if c is not None:
+                        yield chunk([c])
+                if options and options.include_usage:
+                    yield chunk([], usage=_usage(job))
+            except ServerUnavailable as exc:
+                yield sse(error_body(str(exc), "server_error", None, 503))
+            yield sse("[DONE]")
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     def sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: bool,
                  max_field: str) -> SamplingParams:
         try:
@@ -213,32 +234,22 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
             return i * n + s.index
 
         if req.stream:
-            async def events() -> AsyncIterator[str]:
-                order = {st.rid: i for i, st in enumerate(job.states)}
-                started: set[tuple[str, int]] = set()
-                try:
-                    async for state, update in manager.stream(job):
-                        s = state.samples[update.token.index]
-                        key = (state.rid, s.index)
-                        text = update.text_delta
-                        if key not in started:
-                            started.add(key)
-                            text = echo[state.rid] + text
-                        lp = _completion_logprobs(update.token.new_ids, update.token.new_logprobs,
-                                                  update.token.new_top_logprobs) if req.logprobs is not None else None
-                        finish = _openai_finish(update.token.finish)
-                        if text or finish or lp:
-                            yield sse({"id": cid, "object": "text_completion", "created": created,
-                                       "model": model_name, "choices": [{
-                                           "index": index(order[state.rid], s), "text": text, "logprobs": lp,
-                                           "finish_reason": finish}]})
-                    if req.stream_options and req.stream_options.include_usage:
-                        yield sse({"id": cid, "object": "text_completion", "created": created,
-                                   "model": model_name, "choices": [], "usage": _usage(job)})
-                except ServerUnavailable as exc:
-                    yield sse(error_body(str(exc), "server_error", None, 503))
-                yield sse("[DONE]")
-            return StreamingResponse(events(), media_type="text/event-stream")
+            order = {st.rid: i for i, st in enumerate(job.states)}
+            started: set[tuple[str, int]] = set()
+
+            def choice(state: RequestState, update: Any) -> dict[str, Any] | None:
+                s = state.samples[update.token.index]
+                text = update.text_delta
+                if (state.rid, s.index) not in started:
+                    started.add((state.rid, s.index))
+                    text = echo[state.rid] + text
+                lp = _completion_logprobs(update.token.new_ids, update.token.new_logprobs,
+                                          update.token.new_top_logprobs) if req.logprobs is not None else None
+                finish = _openai_finish(update.token.finish)
+                if not (text or finish or lp):
+                    return None
+                return {"index": index(order[state.rid], s), "text": text, "logprobs": lp, "finish_reason": finish}
+            return openai_stream(job, "text_completion", cid, created, req.stream_options, choice)
         await manager.wait(job)
         _raise_server_abort(job)
         choices = []
@@ -288,32 +299,23 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         cid = f"chatcmpl-{job.states[0].rid}"
         created = int(time.time())
         if req.stream:
-            async def events() -> AsyncIterator[str]:
-                started: set[int] = set()
-                try:
-                    async for state, update in manager.stream(job):
-                        s = state.samples[update.token.index]
-                        delta: dict[str, Any] = {}
-                        if s.index not in started:
-                            started.add(s.index)
-                            delta["role"] = "assistant"
-                        if update.text_delta or "role" in delta:
-                            delta["content"] = update.text_delta
-                        lp = {"content": _chat_logprobs(update.token.new_ids, update.token.new_logprobs,
-                                                        update.token.new_top_logprobs)} if req.logprobs else None
-                        finish = _openai_finish(update.token.finish)
-                        if delta or finish or lp:
-                            yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                       "model": model_name, "choices": [{
-                                           "index": s.index, "delta": delta, "logprobs": lp,
-                                           "finish_reason": finish}]})
-                    if req.stream_options and req.stream_options.include_usage:
-                        yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                   "model": model_name, "choices": [], "usage": _usage(job)})
-                except ServerUnavailable as exc:
-                    yield sse(error_body(str(exc), "server_error", None, 503))
-                yield sse("[DONE]")
-            return StreamingResponse(events(), media_type="text/event-stream")
+            started_chat: set[int] = set()
+
+            def chat_choice(state: RequestState, update: Any) -> dict[str, Any] | None:
+                s = state.samples[update.token.index]
+                delta: dict[str, Any] = {}
+                if s.index not in started_chat:
+                    started_chat.add(s.index)
+                    delta["role"] = "assistant"
+                if update.text_delta or "role" in delta:
+                    delta["content"] = update.text_delta
+                lp = {"content": _chat_logprobs(update.token.new_ids, update.token.new_logprobs,
+                                                update.token.new_top_logprobs)} if req.logprobs else None
+                finish = _openai_finish(update.token.finish)
+                if not (delta or finish or lp):
+                    return None
+                return {"index": s.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return openai_stream(job, "chat.completion.chunk", cid, created, req.stream_options, chat_choice)
         await manager.wait(job)
         _raise_server_abort(job)
         st = job.states[0]
