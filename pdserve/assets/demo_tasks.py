@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import string
 from dataclasses import dataclass
 from typing import Literal
@@ -110,3 +111,48 @@ def heldout_examples(task: str, n: int, seed: int = 0) -> list[Example]:
     """``n`` held-out examples of ``task`` over the full difficulty range (deterministic)."""
     rng = random.Random(f"heldout-{task}-{seed}")
     return [sample_example(rng, task, "heldout") for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Chat messages ending with a held-out user question, and its exact answer."""
+
+    task: str
+    messages: tuple[dict[str, str], ...]
+    answer: str
+
+
+def heldout_conversations(task: str, n: int, seed: int = 0, prefix_turns: int = 0) -> list[Conversation]:
+    """``n`` held-out questions of ``task`` as chats (deterministic).
+
+    ``prefix_turns`` > 0 puts each question after that many earlier
+    training-split turns of random tasks with their reference answers: long
+    prompts for chunked prefill and KV handoff.  ``task`` "multi-turn" cycles
+    through the three tasks with 3 prefix turns.
+    """
+    if task == "multi-turn":
+        return [heldout_conversations(TASKS[i % len(TASKS)], 1, seed * 100003 + i, prefix_turns=3)[0]
+                for i in range(n)]
+    rng = random.Random(f"heldout-{task}-{seed}-{prefix_turns}")
+    out = []
+    for _ in range(n):
+        msgs: list[dict[str, str]] = []
+        for _ in range(prefix_turns):
+            ex = sample_example(rng, rng.choice(TASKS), "train")
+            msgs += [{"role": "user", "content": ex.question}, {"role": "assistant", "content": ex.answer}]
+        ex = sample_example(rng, task, "heldout")
+        msgs.append({"role": "user", "content": ex.question})
+        out.append(Conversation(task, tuple(msgs), ex.answer))
+    return out
+
+
+_ANSWER_SHAPE = {
+    "arithmetic": re.compile(r"\d+ [+-] \d+ = -?\d+"),
+    "copy": re.compile(r"[a-z0-9]+"),
+    "recall": re.compile(r"[a-z0-9]{%d}" % RECALL_VALUE_LEN),
+}
+
+
+def is_valid_answer(task: str, text: str) -> bool:
+    """Whether ``text`` has the shape of a ``task`` answer (right or wrong)."""
+    return _ANSWER_SHAPE[task].fullmatch(text) is not None
