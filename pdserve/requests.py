@@ -21,6 +21,16 @@ def sample_seed(base: int, index: int) -> int:
     return random.Random(f"{base}:{index}").getrandbits(63)
 
 
+def check_text(text: str, field_name: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud800", which
+    JSON can carry): the tokenizer would fail on it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{field_name}: is not valid Unicode (unpaired surrogate at position {exc.start})") \
+            from None
+
+
 class RequestBuilder:
     def __init__(self, tokenizer: Any, context_len: int, vocab_size: int, max_n: int,
                  random_seed: int | None) -> None:
@@ -41,6 +51,8 @@ class RequestBuilder:
             texts = [prompt] if single else prompt
             if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts):
                 raise ValueError(f"{prompt_field}: must be a string or a non-empty list of strings")
+            for t in texts:
+                check_text(t, prompt_field)
             ids = [self.tokenizer(t)["input_ids"] for t in texts]
         else:
             if not isinstance(input_ids, (list, tuple)) or not input_ids:

@@ -27,6 +27,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept a single stop string / lists, store tuples (hashable, immutable).
+        # Anything else (an int, a dict) is left as given for _validate to refuse.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
@@ -88,10 +89,10 @@ class SamplingParams:
         need(self.n >= 1, "n", "must be >= 1")
         need(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
              "must be an integer in [0, 2^63)")
-        need(all(isinstance(s, str) and s for s in self.stop), "stop",
-             "must be non-empty strings")
+        need(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
+             "must be a non-empty string or a list of non-empty strings")
         need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
-        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "must be non-negative integers")
+        need(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids", "must be a list of non-negative integers")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             need(isinstance(getattr(self, name), bool), name, "must be a boolean")

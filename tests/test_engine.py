@@ -136,6 +136,9 @@ def test_text_prompt_and_list_of_prompts(engine):
     ({"n": 100}, "n"),
     ({"bogus": 1}, "bogus"),
     ({"stop": [""]}, "stop"),
+    ({"stop": 5}, "stop"),
+    ({"stop": {"a": 1}}, "stop"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
 ])
 def test_invalid_sampling_params_raise_naming_field(engine, params, field):
     with pytest.raises(ValueError, match=field):
@@ -156,6 +159,8 @@ def test_bad_inputs_raise(engine):
         engine.generate(prompt="a", input_ids=[7])
     with pytest.raises(ValueError, match="top_logprobs_num"):
         engine.generate("a", top_logprobs_num=-1)
+    with pytest.raises(ValueError, match="^prompt: .*Unicode"):
+        engine.generate("a\ud800", {"max_new_tokens": 1})  # the tokenizer would raise TypeError
 
 
 def test_unknown_engine_option_raises(llama_dir):

@@ -117,6 +117,10 @@ def test_unknown_key_raises_naming_it():
     ("stop", {"stop": ""}),
     ("stop", {"stop": ["ok", ""]}),
     ("stop", {"stop": [1]}),
+    ("stop", {"stop": 5}),
+    ("stop", {"stop": {"a": 1}}),
+    ("stop_token_ids", {"stop_token_ids": 5}),
+    ("stop_token_ids", {"stop_token_ids": "5"}),
     ("stop_token_ids", {"stop_token_ids": [-1]}),
 ])
 def test_invalid_value_message_starts_with_field(field_name, params):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 import uuid
@@ -11,8 +12,10 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import ServerArgs
+from pdserve.requests import check_text
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                      from_value_error, refuse_unsupported)
@@ -52,6 +55,20 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         else:
             message = f"{'.'.join(loc) or 'body'}: {err.get('msg')}"
         return JSONResponse(error_body(message, "invalid_request_error", param, 400), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's own errors (unknown route, wrong method, a body it cannot parse)
+        in the OpenAI shape rather than {"detail": ...}."""
+        message, param = str(exc.detail), None
+        if exc.status_code == 400:
+            # The only bare 400 here: a body FastAPI failed to read as JSON for a reason
+            # other than bad syntax (invalid UTF-8, nesting too deep for the decoder).
+            cause = f" ({exc.__cause__})" if exc.__cause__ else ""
+            message, param = f"body: malformed JSON{cause}", "body"
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(message, kind, param, exc.status_code), status_code=exc.status_code,
+                            headers=exc.headers)
 
     @app.exception_handler(ServerUnavailable)
     async def _unavailable(_: Request, exc: ServerUnavailable) -> JSONResponse:
@@ -139,7 +156,9 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         try:
             async for state, update in manager.stream(job):
                 if update.text_delta or update.token.new_ids or update.token.finish:
-                    yield sse(_native_result(state, state.samples[update.token.index]))
+                    # `index` tells the samples of a batch or of n > 1 apart (as in SGLang).
+                    index = job.flat_index(state, update.token.index)
+                    yield sse(dict(_native_result(state, state.samples[update.token.index]), index=index))
         except ServerUnavailable as exc:
             yield sse(error_body(str(exc), "server_error", None, 503))
         yield sse("[DONE]")
@@ -228,39 +247,61 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         cid = f"cmpl-{job.states[0].rid}"
         created = int(time.time())
         echo = {st.rid: (t if req.echo else "") for st, t in zip(job.states, texts)}
-        n = req.n
-
-        def index(i: int, s: SampleResult) -> int:
-            return i * n + s.index
 
         if req.stream:
-            order = {st.rid: i for i, st in enumerate(job.states)}
-            started: set[tuple[str, int]] = set()
+            # Per sample: where the next token starts in the choice's text (after the echo).
+            text_pos: dict[tuple[str, int], int] = {}
 
             def choice(state: RequestState, update: Any) -> dict[str, Any] | None:
                 s = state.samples[update.token.index]
                 text = update.text_delta
-                if (state.rid, s.index) not in started:
-                    started.add((state.rid, s.index))
+                key = (state.rid, s.index)
+                if key not in text_pos:
+                    text_pos[key] = len(echo[state.rid])
                     text = echo[state.rid] + text
-                lp = _completion_logprobs(update.token.new_ids, update.token.new_logprobs,
-                                          update.token.new_top_logprobs) if req.logprobs is not None else None
+                lp = None
+                if req.logprobs is not None:
+                    lp = _completion_logprobs(update.token.new_ids, update.token.new_logprobs,
+                                              update.token.new_top_logprobs, text_pos[key])
+                    text_pos[key] += sum(len(t) for t in lp["tokens"])
                 finish = _openai_finish(update.token.finish)
                 if not (text or finish or lp):
                     return None
-                return {"index": index(order[state.rid], s), "text": text, "logprobs": lp, "finish_reason": finish}
+                return {"index": job.flat_index(state, s.index), "text": text, "logprobs": lp,
+                        "finish_reason": finish}
             return openai_stream(job, "text_completion", cid, created, req.stream_options, choice)
         await manager.wait(job)
         _raise_server_abort(job)
         choices = []
-        for i, st in enumerate(job.states):
+        for st in job.states:
             for s in st.samples:
-                lp = _completion_logprobs(s.output_ids, s.logprobs, s.top_logprobs) \
+                lp = _completion_logprobs(s.output_ids, s.logprobs, s.top_logprobs, len(echo[st.rid])) \
                     if req.logprobs is not None else None
-                choices.append({"index": index(i, s), "text": echo[st.rid] + s.text, "logprobs": lp,
-                                "finish_reason": _openai_finish(s.finish)})
+                choices.append({"index": job.flat_index(st, s.index), "text": echo[st.rid] + s.text,
+                                "logprobs": lp, "finish_reason": _openai_finish(s.finish)})
         return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model_name,
                              "choices": choices, "usage": _usage(job)})
+
+    def chat_prompt(req: ChatCompletionRequest) -> str:
+        """The conversation rendered by the chat template. Raises ValueError naming the field."""
+        messages = []
+        for i, m in enumerate(req.messages):
+            if isinstance(m.content, list):
+                if any(part.type != "text" for part in m.content):
+                    raise ValueError("messages: only text content parts are supported")
+                content = "".join(part.text or "" for part in m.content)
+            else:
+                content = m.content or ""
+            check_text(content, f"messages[{i}].content")
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        try:
+            prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                        **(req.chat_template_kwargs or {}))
+        except Exception as exc:  # a template that rejects the conversation
+            raise ValueError(f"messages: the chat template failed: {exc}") from None
+        # The contents are checked above, so invalid text here came from the template's kwargs.
+        check_text(prompt_text, "chat_template_kwargs")
+        return prompt_text
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Response:
@@ -270,20 +311,10 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
             raise ApiError("top_logprobs: must be in [0, 20]", "top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise ApiError("top_logprobs: requires logprobs to be true", "top_logprobs")
-        messages = []
-        for m in req.messages:
-            if isinstance(m.content, list):
-                if any(part.type != "text" for part in m.content):
-                    raise ApiError("messages: only text content parts are supported", "messages")
-                content = "".join(part.text or "" for part in m.content)
-            else:
-                content = m.content or ""
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         try:
-            prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                        **(req.chat_template_kwargs or {}))
-        except Exception as exc:  # a template that rejects the conversation
-            raise ApiError(f"messages: the chat template failed: {exc}", "messages") from None
+            prompt_text = chat_prompt(req)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
         ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise ApiError("messages: the conversation is empty", "messages")
@@ -335,10 +366,15 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
             text = token_text_cache[t] = tokenizer.decode([t])
         return text
 
-    def _completion_logprobs(ids: Any, lps: Any, tops: Any) -> dict[str, Any]:
-        return {"tokens": [token_text(t) for t in ids], "token_logprobs": list(lps),
+    def _completion_logprobs(ids: Any, lps: Any, tops: Any, offset: int) -> dict[str, Any]:
+        """OpenAI's completions logprobs; `offset` is where the first token starts in the
+        choice's text, each next token starts where the previous one's text ends."""
+        tokens = [token_text(t) for t in ids]
+        return {"tokens": tokens, "token_logprobs": list(lps),
                 "top_logprobs": [{token_text(t): lp for lp, t in step} for step in tops] if tops
-                else [None] * len(ids), "text_offset": []}
+                else [None] * len(ids),
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
+                if tokens else []}
 
     def _chat_logprobs(ids: Any, lps: Any, tops: Any) -> list[dict[str, Any]]:
         out = []
@@ -377,7 +413,7 @@ def _raise_server_abort(job: Job) -> None:
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting too deep to decode
         raise ApiError("body: malformed JSON", "body") from None
     if not isinstance(body, dict):
         raise ApiError("body: must be a JSON object", "body")

@@ -3,14 +3,15 @@
 Unknown fields are refused (400 naming the field). Fields OpenAI defines that
 would change the result but pdserve does not implement (tools, response
 formats, logit bias, ...) are accepted by the schema only so that the refusal
-can say exactly that.
+can say exactly that. An explicit null for an optional field means its default.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import functools
+from typing import Any, Literal, Optional, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ApiError(Exception):
@@ -30,15 +31,32 @@ def from_value_error(exc: ValueError) -> ApiError:
     return ApiError(text, field_name if field_name and " " not in field_name else None)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+@functools.cache
+def _defaulted_on_null(model: type[BaseModel]) -> frozenset[str]:
+    """Optional fields of `model` whose type cannot hold None."""
+    return frozenset(name for name, f in model.model_fields.items()
+                     if not f.is_required() and type(None) not in get_args(f.annotation))
 
 
 class _Strict(BaseModel):
     # strict: "yes" is not a boolean and "2" not a number (OpenAI refuses them too).
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI's optional fields are nullable and many clients send an explicit null
+        for the ones they leave unset: a null for an optional field that cannot hold
+        None stands for its default. Fields typed Optional keep their null (it may mean
+        something, e.g. max_tokens: null is "up to the context length")."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in _defaulted_on_null(cls)}
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SGLangExtensions(_Strict):

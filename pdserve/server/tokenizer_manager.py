@@ -9,6 +9,7 @@ in-flight request then ends with an error and /health turns unhealthy.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -67,10 +68,21 @@ class Job:
     """The prompts of one HTTP request and the queue their updates arrive on."""
     states: list[RequestState]
     queue: asyncio.Queue
+    # rid -> position of the prompt's first sample in the flat list of samples
+    _first: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        starts = itertools.accumulate((len(st.samples) for st in self.states[:-1]), initial=0)
+        self._first = {st.rid: start for st, start in zip(self.states, starts)}
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.states)
+
+    def flat_index(self, state: RequestState, sample: int) -> int:
+        """Where sample `sample` of `state` is among all the job's samples, prompt by
+        prompt (the order of a batch's results; SGLang's and OpenAI's `index`)."""
+        return self._first[state.rid] + sample
 
 
 class TokenizerManager:

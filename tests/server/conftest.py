@@ -3,6 +3,7 @@ on a free port, wait for it, talk to it, stop it and check that no child survive
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -221,6 +222,8 @@ class ServerProcess:
             self.kill_all()
             self.client.close()
             self.log.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.log.name)
 
 
 def scheduler_pid(info: dict[str, Any]) -> int | None:

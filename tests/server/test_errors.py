@@ -172,6 +172,35 @@ def test_generate_bad_input(http, name, body, fields):
     assert_openai_error(http.post("/generate", json=body), fields=fields)
 
 
+# Inputs that must not reach an unhandled exception (a 500 also breaks the client's
+# keep-alive connection), so each uses a connection of its own.
+ODD_CASES = [
+    ("generate stop is an int", "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2, "stop": 5}},
+     ("stop",)),
+    ("generate stop is a dict", "/generate",
+     {"text": "a", "sampling_params": {"max_new_tokens": 2, "stop": {"a": 1}}}, ("stop",)),
+    ("generate stop_token_ids is an int", "/generate",
+     {"text": "a", "sampling_params": {"max_new_tokens": 2, "stop_token_ids": 5}}, ("stop_token_ids",)),
+    ("generate lone surrogate", "/generate", b'{"text": "a\\ud800", "sampling_params": {"max_new_tokens": 2}}',
+     ("text",)),
+    ("completions lone surrogate", "/v1/completions", b'{"prompt": "a\\ud800", "max_tokens": 2}', ("prompt",)),
+    ("chat lone surrogate", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}', ("messages", "content")),
+    ("invalid utf-8 body", "/v1/completions", b'{"prompt": "\xff\xfe", "max_tokens": 2}', ()),
+    ("deeply nested body", "/generate", b"[" * 100000 + b"]" * 100000, ()),
+]
+
+
+@pytest.mark.parametrize("name,path,body,fields", ODD_CASES, ids=[c[0] for c in ODD_CASES])
+def test_odd_input_is_400_not_500(server, name, path, body, fields):
+    import httpx
+
+    kw = {"content": body, "headers": {"Content-Type": "application/json", **server.headers}} \
+        if isinstance(body, bytes) else {"json": body, "headers": server.headers}
+    with httpx.Client(base_url=server.url, timeout=20.0) as fresh:
+        assert_openai_error(fresh.post(path, **kw), fields=fields)
+
+
 def test_unknown_route_is_404_and_wrong_method_is_405(http):
     assert http.get("/v1/nope").status_code == 404
     assert http.get("/v1/completions").status_code == 405

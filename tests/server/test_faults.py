@@ -237,6 +237,8 @@ def test_scheduler_killed_gives_errors_not_hangs(start_server, llama_dir):
                 break
             assert time.monotonic() < deadline, f"/health still {code} after the scheduler died"
             time.sleep(0.2)
+        r = httpx.get(s.url + "/health_generate", timeout=15.0)
+        assert r.status_code == 503, (r.status_code, r.text[:300])
         # A new request fails at once too.
         t0 = time.monotonic()
         r = httpx.post(s.url + "/generate", headers=s.headers, timeout=15.0,

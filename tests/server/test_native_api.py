@@ -146,6 +146,21 @@ def test_generate_stream_cumulative(server, engine):
         assert last["output_ids"] == ref["output_ids"]
 
 
+def test_generate_stream_n_samples_are_distinguishable(server, engine):
+    """With n > 1 every streamed chunk must say which sample it belongs to (SGLang: `index`)."""
+    params = {"temperature": 1.0, "n": 2, "seed": 3, "max_new_tokens": 6, "ignore_eos": True}
+    refs = engine.generate(input_ids=IDS[1], sampling_params=params)
+    assert refs[0]["text"] != refs[1]["text"]
+    events, done = stream_generate(server, {"input_ids": IDS[1], "sampling_params": params})
+    assert done
+    keys = {(e["meta_info"]["id"], e.get("index")) for e in events}
+    assert len(keys) == 2, f"chunks of the 2 samples cannot be told apart: {sorted(map(str, keys))}"
+    finals = {}
+    for e in events:
+        finals[(e["meta_info"]["id"], e.get("index"))] = e["text"]
+    assert sorted(finals.values()) == sorted(r["text"] for r in refs)
+
+
 # ---- health & info -----------------------------------------------------------------------
 def test_health_routes(server):
     assert server.client.get("/health").status_code == 200
@@ -308,3 +323,34 @@ def test_abort_non_streaming_request(server):
     else:
         assert "error" in body and result["status"] < 500, result
     server.assert_pools_full()
+
+
+def test_engine_flags_pass_through(start_server, llama_dir, engine):
+    """Engine flags reach the scheduler: a small paged pool with chunked prefill forces
+    chunking and retraction, and greedy outputs still equal the reference."""
+    import asyncio
+
+    s = start_server(llama_dir, "--max-total-tokens", "400", "--page-size", "4",
+                     "--chunked-prefill-size", "32", "--max-running-requests", "6")
+    try:
+        args = s.info()["server_args"]
+        assert (args["max_total_tokens"], args["page_size"], args["chunked_prefill_size"],
+                args["max_running_requests"]) == (400, 4, 32, 6)
+        mem = s.state()["memory"]
+        assert mem["req_slots_total"] >= 6 and mem["kv_pages_total"] * 4 <= 400 + 8, mem
+        prompts = random_prompts(10, 50, 90, seed=77)
+        params = dict(GREEDY, max_new_tokens=30)
+        refs = engine.generate(input_ids=prompts, sampling_params=params)
+
+        async def run():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120.0) as c:
+                rs = await asyncio.gather(*[c.post("/generate", json={"input_ids": p, "sampling_params": params})
+                                            for p in prompts])
+            return rs
+        rs = asyncio.run(run())
+        for r, ref in zip(rs, refs):
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == ref["output_ids"]
+        s.assert_pools_full()
+    finally:
+        s.close()

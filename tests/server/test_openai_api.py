@@ -292,6 +292,29 @@ def test_completion_logprobs(client, model, engine):
         assert math.isclose(max(top.values()), chosen, abs_tol=1e-4)
 
 
+def test_completion_logprobs_text_offset(client, model):
+    """OpenAI: `text_offset[i]` is where token i starts in the choice's text."""
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1,
+                                    extra_body=IGNORE_EOS)
+    lp = out.choices[0].logprobs
+    assert len(lp.text_offset) == len(lp.tokens) == 5, lp
+    assert lp.text_offset == sorted(lp.text_offset)
+    pos = 0
+    for tok, off in zip(lp.tokens, lp.text_offset):
+        assert off == pos, (lp.tokens, lp.text_offset)
+        pos += len(tok)
+
+
+def test_chat_stream_logprobs(client, model):
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6,
+                                                 temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True, extra_body=IGNORE_EOS))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert len(entries) == 6
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+
+
 def test_completion_echo(client, model, engine):
     ref = engine.generate(PROMPT, greedy(8))
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
@@ -353,3 +376,24 @@ def test_cached_tokens_on_repeat(client, model):
 def test_no_leak_after_module(server, client, model):
     client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0)
     server.assert_pools_full()
+
+
+def test_explicit_nulls_mean_defaults(server, model):
+    """OpenAI's optional fields are nullable; many clients send `null` for unset ones."""
+    nulls = {"top_p": None, "n": None, "stop": None, "presence_penalty": None,
+             "frequency_penalty": None, "seed": None, "stream": None, "stream_options": None,
+             "user": None, "logit_bias": None}
+    base = {"model": model, "max_tokens": 5, "temperature": 0}
+    r = server.client.post("/v1/completions", json={**base, "prompt": PROMPT, **nulls, "logprobs": None,
+                                                    "echo": None, "suffix": None})
+    assert r.status_code == 200, r.text
+    want = server.client.post("/v1/completions", json={**base, "prompt": PROMPT}).json()
+    assert r.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    r = server.client.post("/v1/chat/completions", json={**base, "messages": MESSAGES, **nulls,
+                                                         "logprobs": None, "top_logprobs": None,
+                                                         "tools": None, "response_format": None,
+                                                         "max_completion_tokens": None})
+    assert r.status_code == 200, r.text
+    r = server.client.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES,
+                                                         "max_tokens": 3, "temperature": None})
+    assert r.status_code == 200, r.text
