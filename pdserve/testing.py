@@ -85,6 +85,34 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", *, hidden_size:
     return out
 
 
+def build_random_draft(target_dir: str | Path, out_dir: str | Path, algorithm: str = "EAGLE", *,
+                       draft_vocab_size: int | None = None, seed: int = 0) -> Path:
+    """Write a random (untrained) EAGLE or EAGLE3 head for the target checkpoint at
+    ``target_dir``, in the public layout. EAGLE3's draft vocabulary is the target's
+    first ``draft_vocab_size`` ids after a seeded shuffle (nonzero ``d2t`` offsets)."""
+    import torch
+    from transformers import AutoConfig
+
+    from pdserve.speculative.reference import DraftHead, aux_layer_ids, save_draft
+
+    target_dir, out = Path(target_dir), Path(out_dir)
+    cfg = AutoConfig.from_pretrained(str(target_dir))
+    torch.manual_seed(seed)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    draft_vocab = None
+    if algorithm == "EAGLE3":
+        vd = draft_vocab_size or v
+        draft_vocab = torch.randperm(v)[:vd].sort().values
+    # The embedding / head passed here are only needed to run the head, not to save it.
+    head = DraftHead(algorithm, cfg, torch.zeros(v, h), torch.zeros(v, h), draft_vocab)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+    save_draft(head, target_dir, out, aux_layer_ids(cfg.num_hidden_layers))
+    return out
+
+
 def main() -> None:
     import argparse
 

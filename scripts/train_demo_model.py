@@ -34,7 +34,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -350,10 +350,26 @@ def export(ckpt: dict[str, Any], out: Path, eval_n: int, threads: int) -> dict[s
     return res
 
 
+def training_curve(history: list[dict[str, Any]], rows: int = 16) -> str:
+    """A markdown table of about ``rows`` evenly spaced training evaluations."""
+    if not history:
+        return "(no evaluations recorded)"
+    stride = max(1, len(history) // rows)
+    picked = history[::stride]
+    if picked[-1] is not history[-1]:
+        picked.append(history[-1])
+    cols = ["arithmetic", "copy", "recall", "multi-turn"]
+    lines = ["| step | minutes | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for h in picked:
+        lines.append(f"| {h['step']} | {h['time_s'] / 60:.0f} | " + " | ".join(f"{h.get(c, 0):.2f}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
 def write_readme(out: Path, ckpt: dict[str, Any], res: dict[str, Any], eval_n: int) -> None:
     c = ckpt["config"]
     n_params = sum(v.numel() for v in ckpt["model"].values())
     acc = "\n".join(f"| {k} | {v:.3f} |" for k, v in res.items())
+    curve = training_curve(ckpt["history"])
     text = f"""# pdserve demo model
 
 A tiny character-level `LlamaForCausalLM` (GQA, RMSNorm, RoPE, SiLU MLP, untied
@@ -391,6 +407,13 @@ and `add_generation_prompt=True` appends `<|assistant|>`. Generation ends at `</
 
 Conversations in training mix these tasks over several turns (up to
 ~{ckpt['cur']['long_row']} tokens); each answer depends only on its own question.
+
+## Training curve
+
+Teacher-forced held-out exact match during training (64 questions per task,
+full difficulty ranges; equal to greedy exact match, see the trainer's doc):
+
+{curve}
 
 ## Held-out rule
 
@@ -538,8 +561,10 @@ def main() -> None:
         res["recall_front"], _ = tf_exact_match(model, fr)
         return res
 
-    t_start = time.time()
-    t_ckpt = t_start
+    # Minutes in the curve count training time across resumes.
+    t_start = time.time() - (history[-1]["time_s"] if history else 0)
+    t_run = time.time()
+    t_ckpt = t_run
     agg: dict[str, list[float]] = {"loss": [], "ntok": []}
     task_loss: dict[str, list[float]] = {t: [0.0, 0] for t in dt.TASKS}
     t_log = time.time()
@@ -596,7 +621,7 @@ def main() -> None:
             log(f"eval step {step} ({time.time() - t_e:.0f}s): " + " ".join(f"{k}={v:.3f}" for k, v in res.items())
                 + f" -> cur {cur}", logf)
 
-        stop = args.max_minutes > 0 and time.time() - t_start > args.max_minutes * 60
+        stop = args.max_minutes > 0 and time.time() - t_run > args.max_minutes * 60
         if time.time() - t_ckpt > args.ckpt_minutes * 60 or stop or step == args.total_steps:
             save_ckpt(ckpt_path, snapshot())
             t_ckpt = time.time()

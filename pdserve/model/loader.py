@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -40,10 +40,13 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: CausalLM, model_dir: Path) -> None:
-    """Load every parameter of `model`; raise listing missing and unexpected names."""
+def load_weights(model: CausalLM, model_dir: Path, rename: Callable[[str], str | None] | None = None) -> None:
+    """Load every parameter of `model`; raise listing missing and unexpected names.
+
+    `rename` maps a checkpoint tensor name to the model's naming (None: skip the
+    tensor); draft heads use it for their layouts."""
     params = dict(model.named_parameters())
-    tied = model.config.tie_word_embeddings
+    tied = getattr(model.config, "tie_word_embeddings", False)
     # (our parameter name, shard) -> checkpoint name, for the missing-name report.
     expected: dict[tuple[str, object], str] = {}
     for name in params:
@@ -60,6 +63,11 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     for ckpt_name, tensor in iter_checkpoint(model_dir):
         if ckpt_name.endswith(model.ignored_suffixes) or (tied and ckpt_name == "lm_head.weight"):
             continue
+        if rename is not None:
+            renamed = rename(ckpt_name)
+            if renamed is None:
+                continue
+            ckpt_name = renamed
         target, shard = _map_name(model, ckpt_name)
         param = params.get(target)
         if param is None or (target, shard) not in expected:

@@ -19,11 +19,12 @@ from pdserve.model.parallel import TPGroup
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup, in_features: int | None = None) -> None:
+        """`in_features` defaults to the hidden size (EAGLE3's draft layer reads 2x hidden)."""
         super().__init__()
         self.layer_id = layer_id
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.attention_bias, tp)
+        self.qkv_proj = QKVParallelLinear(in_features or cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, cfg.attention_bias, tp)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp,
                                         "o_proj")
         self.num_heads = self.qkv_proj.num_local_heads
@@ -83,14 +84,15 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
                 capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final normed hidden states [T, H] and, for each layer index
-        in `capture_layers`, the residual stream entering that layer."""
+        in `capture_layers` (in that order, repeats allowed), the residual stream
+        entering that layer."""
         x = self.embed_tokens(input_ids)
-        captured = []
+        captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in capture_layers:
-                captured.append(x)
+                captured[i] = x
             x = layer(x, ctx)
-        return self.norm(x), captured
+        return self.norm(x), [captured[i] for i in capture_layers]
 
 
 # Checkpoint names that feed our fused parameters: (our name, checkpoint name, shard).
