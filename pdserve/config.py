@@ -24,6 +24,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
 
 
 def flag(name: str) -> str:
@@ -57,6 +58,13 @@ class ServerArgs:
     # mem_fraction_static of this many GiB (a CPU has no device memory to measure).
     cpu_kv_budget_gb: float = 4.0
     log_level: str = "info"
+    # Speculative decoding (SGLang's flags). The three shape flags are given
+    # together or not at all; `speculative_shape()` resolves the defaults.
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
     # HTTP server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -118,6 +126,56 @@ class ServerArgs:
             raise bad("model_path", f"{self.model_path!r} is not a directory")
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
             raise bad("tokenizer_path", f"{self.tokenizer_path!r} is not a directory")
+        self._validate_speculative(bad)
+
+    def _validate_speculative(self, bad: Any) -> None:
+        shape = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
+        if self.speculative_algorithm is None:
+            for name in ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
+                         "speculative_num_draft_tokens"):
+                if getattr(self, name) is not None:
+                    raise bad(name, f"needs {flag('speculative_algorithm')}")
+            return
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise bad("speculative_algorithm", f"invalid choice {self.speculative_algorithm!r} "
+                      f"(choose from {', '.join(SPECULATIVE_ALGORITHMS)})")
+        if self.speculative_draft_model_path is None:
+            raise bad("speculative_draft_model_path", f"is required with {flag('speculative_algorithm')} "
+                      f"{self.speculative_algorithm}")
+        if not os.path.isdir(self.speculative_draft_model_path):
+            raise bad("speculative_draft_model_path", f"{self.speculative_draft_model_path!r} is not a directory")
+        if any(v is None for v in shape) and any(v is not None for v in shape):
+            raise bad("speculative_num_steps", f"give {flag('speculative_num_steps')}, "
+                      f"{flag('speculative_eagle_topk')} and {flag('speculative_num_draft_tokens')} together "
+                      "(or none of them for the defaults)")
+        if shape[0] is not None:
+            steps, topk, tokens = shape
+            assert steps is not None and topk is not None and tokens is not None
+            if steps < 1:
+                raise bad("speculative_num_steps", f"must be >= 1, got {steps}")
+            if topk < 1:
+                raise bad("speculative_eagle_topk", f"must be >= 1, got {topk}")
+            if tokens < 2:
+                raise bad("speculative_num_draft_tokens", f"must be >= 2, got {tokens}")
+            pool = topk + (steps - 1) * topk * topk
+            if topk > 1 and tokens - 1 > pool:
+                raise bad("speculative_num_draft_tokens", f"{tokens} needs {tokens - 1} draft tokens but "
+                          f"{steps} steps of top-{topk} propose at most {pool}")
+        if self.tp_size > 1:
+            raise bad("speculative_algorithm", "speculative decoding with --tp-size > 1 is not supported yet")
+
+    def speculative_shape(self, architecture: str) -> tuple[int, int, int]:
+        """(num_steps, eagle_topk, num_draft_tokens): the flags, or SGLang's per-model
+        defaults ((5, 4, 8) for Llama targets, the chain (3, 1, 4) otherwise).
+        Top-k 1 is a chain: it forces num_draft_tokens = num_steps + 1."""
+        if self.speculative_num_steps is None:
+            steps, topk, tokens = (5, 4, 8) if architecture == "LlamaForCausalLM" else (3, 1, 4)
+        else:
+            steps, topk, tokens = (self.speculative_num_steps, self.speculative_eagle_topk,  # type: ignore
+                                   self.speculative_num_draft_tokens)
+        if topk == 1:
+            tokens = steps + 1
+        return steps, topk, tokens
 
     # ---- derived values -------------------------------------------------------
     def resolved_device(self) -> torch.device:
@@ -179,6 +237,7 @@ _FIELD_PARSERS = {
 _FIELD_CHOICES = {
     "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
+    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
 }
 _TYPE_CHECKS: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),

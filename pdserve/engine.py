@@ -178,6 +178,9 @@ class Engine:
             "finish_reason": req.finish.to_dict(),
             "retractions": req.retractions,
         }
+        if req.spec_verify_ct:
+            meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accepted_drafts"] = req.spec_accepted_drafts
         if req.return_logprob:
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(req.output_logprobs, req.output_ids)]
             if req.top_logprobs_num:

@@ -57,16 +57,27 @@ class ForwardContext:
     spans: tuple[RowSpan, ...] = ()
 
     @classmethod
+    def for_rows(cls, kv_indices: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+                 out_cache_loc: torch.Tensor) -> "ForwardContext":
+        """One new token per row attending to an explicit slot list (draft tree steps:
+        the prefix plus the token's own ancestors). kv_indices / valid: [R, Lk]; the
+        row's own slot (out_cache_loc) must be among its valid entries."""
+        return cls(positions, out_cache_loc, kv_indices.shape[0], True,
+                   kv_indices=torch.where(valid, kv_indices, 0), attn_mask=valid.view(valid.shape[0], 1, 1, -1))
+
+    @classmethod
     def build(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-              extend_lens: torch.Tensor, extra_masks: list[torch.Tensor | None] | None = None
-              ) -> "ForwardContext":
+              extend_lens: torch.Tensor, extra_masks: list[torch.Tensor | None] | None = None,
+              positions: torch.Tensor | None = None) -> "ForwardContext":
         """rows/prefix_lens/extend_lens: [B] int64 on the model device. extra_masks:
         per row an optional [q_len, q_len] restriction among the row's new tokens
-        (tree verification), ANDed into the causal mask."""
+        (tree verification), ANDed into the causal mask. ``positions`` [T]
+        overrides the RoPE positions of the new tokens (a tree node sits at
+        prefix + depth, while its KV slot follows its index)."""
         device = rows.device
         batch = rows.shape[0]
         kv_lens = prefix_lens + extend_lens
-        if extra_masks is None and bool((extend_lens == 1).all()):
+        if extra_masks is None and positions is None and bool((extend_lens == 1).all()):
             max_k = int(kv_lens.max())
             k_ar = torch.arange(max_k, device=device)
             valid = k_ar.unsqueeze(0) < kv_lens.unsqueeze(1)
@@ -77,9 +88,11 @@ class ForwardContext:
         total_q = int(extend_lens.sum())
         q_starts = torch.cumsum(extend_lens, 0) - extend_lens
         rep_rows = torch.repeat_interleave(rows, extend_lens)
-        positions = (torch.arange(total_q, device=device) - torch.repeat_interleave(q_starts, extend_lens)
-                     + torch.repeat_interleave(prefix_lens, extend_lens))
-        out_loc = req_to_token[rep_rows, positions]
+        slot_pos = (torch.arange(total_q, device=device) - torch.repeat_interleave(q_starts, extend_lens)
+                    + torch.repeat_interleave(prefix_lens, extend_lens))
+        out_loc = req_to_token[rep_rows, slot_pos]
+        if positions is None:
+            positions = slot_pos
         total_kv = int(kv_lens.sum())
         kv_starts = torch.cumsum(kv_lens, 0) - kv_lens
         kv_rows = torch.repeat_interleave(rows, kv_lens)

@@ -29,6 +29,9 @@ class ForwardInput:
     prefix_lens: torch.Tensor   # [B] tokens already in the KV pool
     extend_lens: torch.Tensor   # [B] new tokens per row
     sample_index: torch.Tensor  # [R] packed positions whose logits are wanted
+    # Tree verification: RoPE positions of the new tokens and per-row ancestry masks.
+    positions: torch.Tensor | None = None
+    extra_masks: list[torch.Tensor | None] | None = None
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -73,7 +76,20 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardInput) -> torch.Tensor:
         """Run the model over the new tokens; returns float32 logits [R, V]."""
+        return self.forward_features(batch, None)[0]
+
+    @torch.inference_mode()
+    def forward_features(self, batch: ForwardInput, capture_layers: tuple[int, ...] | None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, V] and, unless ``capture_layers`` is None, the per-token
+        feature a draft head reads for every new token [T, W]: the final normed
+        hidden state when ``capture_layers`` is empty (EAGLE), else the residual
+        streams entering those layers, concatenated (EAGLE3)."""
         assert self.req_to_token is not None, "bind_memory() first"
-        ctx = ForwardContext.build(self.req_to_token, batch.rows, batch.prefix_lens, batch.extend_lens)
-        hidden, _ = self.model(batch.input_ids, ctx)
-        return self.model.compute_logits(hidden[batch.sample_index])
+        ctx = ForwardContext.build(self.req_to_token, batch.rows, batch.prefix_lens, batch.extend_lens,
+                                   batch.extra_masks, batch.positions)
+        hidden, captured = self.model(batch.input_ids, ctx, capture_layers or ())
+        logits = self.model.compute_logits(hidden[batch.sample_index])
+        if capture_layers is None:
+            return logits, None
+        return logits, (torch.cat(captured, dim=-1) if capture_layers else hidden)

@@ -23,6 +23,7 @@ from pdserve.scheduler.batch import ScheduledBatch, build_sampling_info
 from pdserve.scheduler.memory import PageAllocator, ReqToTokenPool, TokenToKVPool
 from pdserve.scheduler.radix_cache import ChunkCache, PrefixMatch, RadixCache
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
+from pdserve.speculative.eagle_worker import EagleWorker
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,29 @@ def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def _path_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """Tokens of a draft tree node's ancestors below the root, and its own, root first."""
+    out: list[int] = []
+    while node > 0:
+        out.append(tokens[node])
+        node = parents[node]
+    return out[::-1]
+
+
+class _DrawView:
+    """A request as it would be after emitting a tree path: what the sampler reads."""
+
+    def __init__(self, req: Req, path: list[int]) -> None:
+        self.params = req.params
+        self.seed = req.seed
+        self.prompt_ids = req.prompt_ids
+        self.output_ids = req.output_ids + path if path else req.output_ids
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
                  tp: TPGroup = TPGroup(), tuning: AdmissionTuning = AdmissionTuning()) -> None:
@@ -66,8 +90,18 @@ class Scheduler:
         cfg = runner.config
         self.kv_pool = TokenToKVPool("target", cfg.num_layers, num_pages * self.page_size,
                                      runner.num_local_kv_heads, cfg.head_dim, runner.kv_dtype, self.device)
-        self.req_table = ReqToTokenPool(args.max_running_requests, self.context_len, self.device)
+        self.spec: EagleWorker | None = None
+        room = 1
+        if args.speculative_algorithm is not None:
+            self.spec = EagleWorker(args, runner, num_pages * self.page_size)
+            room = self.spec.room
+        # A speculative round's tree may reach past the context end; those
+        # positions are never committed (a request finishes at the context length).
+        self.decode_room = room
+        self.req_table = ReqToTokenPool(args.max_running_requests, self.context_len + room, self.device)
         runner.bind_memory(self.kv_pool, self.req_table.table)
+        if self.spec is not None:
+            self.spec.bind(self.req_table.table)
         self.cache: RadixCache | ChunkCache = (
             ChunkCache(self.allocator) if args.disable_radix_cache else RadixCache(self.allocator))
         self.waiting: list[Req] = []
@@ -132,17 +166,40 @@ class Scheduler:
     def step(self) -> StepOutput:
         out = StepOutput()
         batch = self._schedule_prefill(out)
+        if batch is None and self.spec is not None:
+            self._spec_round(out)
+            return out
         if batch is None:
             batch = self._schedule_decode(out)
         if batch is None:
             return out
         self.num_forward_steps += 1
-        logits = self.runner.forward(batch.forward)
+        if self.spec is None:
+            logits = self.runner.forward(batch.forward)
+        else:
+            logits, feats = self.runner.forward_features(batch.forward, self.spec.capture_layers)
+            assert feats is not None
+            self.spec.store_features(self._new_token_slots(batch.forward), feats)
         self._process(batch, logits, out)
+        if self.spec is not None:
+            # Draft KV for what this prefill added (and, after a cache hit or a
+            # retraction, for the whole prefix): the next token is known now.
+            held = {id(r): r for r in batch.reqs + batch.sampling_reqs if r.row is not None}
+            self.spec.catch_up(list(held.values()))
         if batch.mode == "decode":
-            self.new_token_ratio = max(self.tuning.min_new_token_ratio,
-                                       self.new_token_ratio - self.tuning.ratio_decay)
+            self._decay_token_ratio()
         return out
+
+    def _decay_token_ratio(self) -> None:
+        self.new_token_ratio = max(self.tuning.min_new_token_ratio, self.new_token_ratio - self.tuning.ratio_decay)
+
+    def _new_token_slots(self, fwd: ForwardInput) -> torch.Tensor:
+        """KV slot of every new token of a forward (row after row, prefix + index)."""
+        q_starts = torch.cumsum(fwd.extend_lens, 0) - fwd.extend_lens
+        local = torch.arange(int(fwd.extend_lens.sum()), device=self.device) - torch.repeat_interleave(
+            q_starts, fwd.extend_lens)
+        pos = local + torch.repeat_interleave(fwd.prefix_lens, fwd.extend_lens)
+        return self.req_table.table[torch.repeat_interleave(fwd.rows, fwd.extend_lens), pos]
 
     # ---- prefill ------------------------------------------------------------------
     def _ordered_waiting(self) -> list[Req]:
@@ -153,7 +210,9 @@ class Scheduler:
 
     def _growth_reserve(self, reqs: list[Req]) -> int:
         tokens = sum(min(r.remaining_new_tokens, self.tuning.reserve_clip) for r in reqs)
-        return _pages_for(int(tokens * self.new_token_ratio), self.page_size)
+        # A speculative round briefly holds its tree past each request's length.
+        transient = len(reqs) * _pages_for(self.decode_room, self.page_size) if self.spec is not None else 0
+        return _pages_for(int(tokens * self.new_token_ratio), self.page_size) + transient
 
     def _schedule_prefill(self, out: StepOutput) -> ScheduledBatch | None:
         if not self.waiting and self.chunked is None:
@@ -242,6 +301,7 @@ class Scheduler:
             self.allocator.retain(match.slots[::self.page_size] // self.page_size)
         req.lock_node = match.node
         req.kv_len = n
+        req.draft_len = 0  # the draft KV of a cached prefix is recomputed from its stored features
         if not req.output_ids and not req.retractions:
             req.cached_tokens = n
             self.prompt_tokens_seen += len(req.prompt_ids) * (1 + len(req.pending_forks))
@@ -324,10 +384,11 @@ class Scheduler:
         return batch
 
     def _make_decode_room(self, out: StepOutput) -> None:
-        """Retract requests until every running request can grow by one token."""
-        ps = self.page_size
+        """Retract requests until every running request can grow by one token (a
+        speculative round: by its whole tree)."""
+        ps, room = self.page_size, self.decode_room
         while self.running:
-            need = sum(1 for r in self.running if r.kv_len % ps == 0)
+            need = sum(_pages_for(r.kv_len + room, ps) - _pages_for(r.kv_len, ps) for r in self.running)
             if need <= self.allocator.num_free + self.cache.evictable_pages:
                 return
             if len(self.running) == 1:
@@ -347,6 +408,85 @@ class Scheduler:
             self.new_token_ratio = self.tuning.init_new_token_ratio
             logger.info("retracted request %s (%d output tokens) to free KV", victim.rid,
                         len(victim.output_ids))
+
+    # ---- speculative decoding ---------------------------------------------------------
+    def _spec_round(self, out: StepOutput) -> None:
+        """One EAGLE round for every running request: draft a tree, verify it with
+        one target forward, emit the accepted tokens and the bonus, compact KV."""
+        spec = self.spec
+        assert spec is not None
+        self._make_decode_room(out)
+        reqs = list(self.running)
+        if not reqs:
+            return
+        self.num_forward_steps += 1
+        for r in reqs:
+            self._assign_slots(r, r.kv_len, r.kv_len + spec.room)
+        tree = spec.propose(reqs)
+        fwd = spec.verify_input(reqs, tree)
+        logits, feats = self.runner.forward_features(fwd, spec.capture_layers)
+        assert feats is not None
+        spec.store_features(self._new_token_slots(fwd), feats)
+        nodes = spec.num_draft_tokens
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        # Every node draws the token plain decoding would draw at its output
+        # position (same penalties, same seeded noise), so the walk below emits
+        # exactly the non-speculative output.
+        views = [_DrawView(r, _path_tokens(tokens[b], parents[b], j)) for b, r in enumerate(reqs)
+                 for j in range(nodes)]
+        info = build_sampling_info(views, self.vocab_size, self.eos_ids, self.device)  # type: ignore[arg-type]
+        want_lp = any(r.return_logprob for r in reqs)
+        result = sample(logits, info, want_lp, max((r.top_logprobs_num for r in reqs), default=0))
+        drawn = result.next_ids.tolist()
+        lps = result.logprobs.tolist() if result.logprobs is not None else None
+        top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        ps = self.page_size
+        for b, req in enumerate(reqs):
+            base, n = b * nodes, req.kv_len
+            path = spec.accept_path(tokens[b], parents[b], drawn[base: base + nodes])
+            reason = None
+            emitted = 0
+            for node in path:
+                i = base + node
+                self._append_token(req, drawn[i], lps[i] if lps else None,
+                                   top_lp[i] if top_lp else None, top_ids[i] if top_ids else None)
+                emitted += 1
+                reason = self._check_finished(req)
+                if reason is not None:
+                    break
+            # Position n + j now holds the input of the j-th emitted token: node path[j].
+            moves = [(n + j, n + path[j]) for j in range(1, emitted) if path[j] != j]
+            if moves:
+                table = self.req_table.table[req.row]
+                dst = table[torch.tensor([d for d, _ in moves], device=self.device)]
+                src = table[torch.tensor([s for _, s in moves], device=self.device)]
+                self.kv_pool.copy_slots(dst, src)
+                spec.copy_slots(dst, src)
+            req.kv_len = n + emitted
+            keep, held = _pages_for(req.kv_len, ps), _pages_for(n + spec.room, ps)
+            if held > keep:
+                tail = self.req_table.table[req.row, keep * ps: held * ps: ps] // ps
+                self.allocator.release(tail.cpu())
+            req.spec_verify_ct += 1
+            req.spec_accepted_drafts += min(emitted, len(path) - 1)
+            spec.num_verify_rounds += 1
+            spec.num_emitted_tokens += emitted
+            out.advanced.append(req)
+            if reason is not None:
+                self.running.remove(req)
+                out.finished += self._finish(req, reason)
+        spec.catch_up([r for r in reqs if r.row is not None])
+        self._decay_token_ratio()
+
+    def _append_token(self, req: Req, token: int, logprob: float | None, top_lp: list[float] | None,
+                      top_ids: list[int] | None) -> None:
+        req.output_ids.append(token)
+        if req.return_logprob and logprob is not None:
+            req.output_logprobs.append(logprob)
+            if req.top_logprobs_num and top_lp is not None and top_ids is not None:
+                k = req.top_logprobs_num
+                req.output_top_logprobs.append(list(zip(top_lp[:k], top_ids[:k])))
 
     # ---- after the forward --------------------------------------------------------
     def _process(self, batch: ScheduledBatch, logits: torch.Tensor, out: StepOutput) -> None:
@@ -378,12 +518,8 @@ class Scheduler:
         top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         for i, req in enumerate(reqs):
-            req.output_ids.append(ids[i])
-            if req.return_logprob and lps is not None:
-                req.output_logprobs.append(lps[i])
-                if req.top_logprobs_num and top_lp is not None and top_ids is not None:
-                    k = req.top_logprobs_num
-                    req.output_top_logprobs.append(list(zip(top_lp[i][:k], top_ids[i][:k])))
+            self._append_token(req, ids[i], lps[i] if lps else None, top_lp[i] if top_lp else None,
+                               top_ids[i] if top_ids else None)
             out.advanced.append(req)
             reason = self._check_finished(req)
             if reason is not None:
@@ -399,6 +535,10 @@ class Scheduler:
         children, parent.pending_forks = parent.pending_forks, []
         ps, n = self.page_size, parent.kv_len
         full = n // ps * ps
+        if self.spec is not None:
+            # The draft KV of the last prompt position depends on each sample's
+            # first token: that position must live in a page of each sample's own.
+            full = (n - 1) // ps * ps
         shared = self.req_table.table[parent.row, :full]
         # Cache the prompt now and lock it for every sample: whichever sample
         # finishes first must not leave shared pages counted as evictable.
@@ -415,8 +555,11 @@ class Scheduler:
                 page = self._alloc_pages(1).to(self.device)
                 dst = page * ps + torch.arange(n - full, device=self.device)
                 self.kv_pool.copy_slots(dst, self.req_table.table[parent.row, full:n])
+                if self.spec is not None:
+                    self.spec.copy_slots(dst, self.req_table.table[parent.row, full:n])
                 self.req_table.table[child.row, full:n] = dst
             child.kv_len = n
+            child.draft_len = 0
             child.cached_tokens = parent.cached_tokens
             child.lock_node = prompt_node
             self.cache.lock(prompt_node)
@@ -489,6 +632,7 @@ class Scheduler:
             "token_usage": used / max(1, mem["kv_pages_total"]),
             "cache_hit_rate": self.cached_tokens_seen / max(1, self.prompt_tokens_seen),
             "context_len": self.context_len,
+            "avg_spec_accept_length": self.spec.avg_accept_length if self.spec is not None else None,
         }
 
     def memory_state(self) -> dict[str, int]:

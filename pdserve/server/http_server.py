@@ -109,6 +109,8 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
     async def get_server_info() -> dict[str, Any]:
         info = server_info()
         info["internal_state"] = await manager.get_state()
+        # SGLang's top-level field (None without speculative decoding).
+        info["avg_spec_accept_length"] = info["internal_state"].get("avg_spec_accept_length")
         return info
 
     @app.post("/flush_cache")
@@ -168,6 +170,9 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
             "id": state.rid, "prompt_tokens": len(state.prompt_ids), "completion_tokens": len(s.output_ids),
             "cached_tokens": s.cached_tokens, "finish_reason": s.finish, "retractions": s.retractions,
         }
+        if s.spec_verify_ct:
+            meta["spec_verify_ct"] = s.spec_verify_ct
+            meta["spec_accepted_drafts"] = s.spec_accepted_drafts
         if s.logprobs:
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(s.logprobs, s.output_ids)]
         if s.top_logprobs:

@@ -26,6 +26,8 @@ class TokenUpdate:
     cached_tokens: int
     completion_tokens: int
     retractions: int
+    spec_verify_ct: int             # speculative verify rounds so far (0 without speculation)
+    spec_accepted_drafts: int
     params: SamplingParams | None   # first update of a sample only (detokenizer needs it)
 
 

@@ -17,6 +17,9 @@ class ServerMetrics:
         self.token_usage = Gauge("pdserve:token_usage", "Fraction of KV pages in use", registry=r)
         self.cache_hit_rate = Gauge("pdserve:cache_hit_rate",
                                     "Fraction of prompt tokens served from the prefix cache", registry=r)
+        self.spec_accept_length = Gauge(
+            "pdserve:avg_spec_accept_length",
+            "Speculative decoding: tokens emitted per verify round (accepted drafts + 1); 0 when off", registry=r)
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between output tokens",
@@ -32,6 +35,7 @@ class ServerMetrics:
         self.queued.set(state["num_waiting_reqs"])
         self.token_usage.set(state["token_usage"])
         self.cache_hit_rate.set(state["cache_hit_rate"])
+        self.spec_accept_length.set(state.get("avg_spec_accept_length") or 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -67,8 +67,8 @@ class ZmqIO:
             new_logprobs=lps, new_top_logprobs=tops,
             finish=req.finish.to_dict() if req.finish is not None else None,
             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
-            completion_tokens=end, retractions=req.retractions,
-            params=req.params if first else None)
+            completion_tokens=end, retractions=req.retractions, spec_verify_ct=req.spec_verify_ct,
+            spec_accepted_drafts=req.spec_accepted_drafts, params=req.params if first else None)
 
 
 def die_with_parent() -> None:

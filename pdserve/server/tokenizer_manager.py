@@ -44,6 +44,8 @@ class SampleResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     retractions: int = 0
+    spec_verify_ct: int = 0
+    spec_accepted_drafts: int = 0
 
 
 @dataclass
@@ -219,6 +221,8 @@ class TokenizerManager:
         sample.prompt_tokens = tok.prompt_tokens
         sample.cached_tokens = tok.cached_tokens
         sample.retractions = tok.retractions
+        sample.spec_verify_ct = tok.spec_verify_ct
+        sample.spec_accepted_drafts = tok.spec_accepted_drafts
         if tok.new_ids:
             if state.first_token_at is None:
                 state.first_token_at = now

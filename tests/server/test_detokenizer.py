@@ -20,6 +20,7 @@ def test_held_back():
 def _update(ids, finish=None, params=None):
     return TokenUpdate(rid="r", index=0, new_ids=tuple(ids), new_logprobs=(), new_top_logprobs=(),
                        finish=finish, prompt_tokens=1, cached_tokens=0, completion_tokens=0, retractions=0,
+                       spec_verify_ct=0, spec_accepted_drafts=0,
                        params=params)
 
 

@@ -1,0 +1,244 @@
+"""EAGLE / EAGLE3 speculative decoding: the draft side of every round.
+
+The scheduler owns slots and finishing; this module owns the draft model, the
+draft KV pool and the target-feature pool, and does the tree math:
+
+  catch_up   draft extend over positions [draft_len, kv_len) of each request:
+             row p reads (x_{p+1}, f_p) at RoPE position p and writes the
+             draft KV of p; the last row's top-k seeds the next tree.  It runs
+             after every prefill chunk (features come from the feature pool,
+             so a radix-cache hit or a retraction simply recomputes the draft
+             KV of the whole prefix) and after every verify.
+  propose    S - 1 draft forwards grow the tree: level 0 is the carried top-k,
+             each later level keeps the k best of the frontier's k x k children
+             (scores are products of probabilities); the N - 1 best nodes over
+             all levels, in ascending index order, form the tree.  Draft step i
+             (1-based) runs at position kv_len + i - 1 and attends to the
+             prefix plus the node's exact ancestors.
+  verify_input / accept
+             one target forward over [root, nodes] with an ancestry mask at
+             positions kv_len + depth; at every node the target's token is
+             drawn exactly as plain decoding would draw it at that output
+             position (the sampler's noise is a function of the position), and
+             the walk descends while that token is a child.  Output is
+             therefore identical to non-speculative decoding, greedy or not.
+
+Slots: a request's positions [kv_len, kv_len + room) hold the tree for one
+round: target KV of node j at position kv_len + j, draft scratch KV of the
+j-th forwarded frontier node at position kv_len + j (the draft pool shares slot
+indices with the target pool).  Accepted nodes are then moved into place
+(target KV and features), and the draft extend rewrites their draft KV.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.config import ServerArgs
+from pdserve.model.attention import ForwardContext, TorchNativeAttention
+from pdserve.model.layers import RotaryEmbedding
+from pdserve.model.runner import ForwardInput, ModelRunner
+from pdserve.scheduler.memory import TokenToKVPool
+from pdserve.scheduler.req import Req
+from pdserve.speculative.draft_model import DraftConfig, EagleDraftModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecState:
+    """What a request carries from one round to the next."""
+    topk_p: torch.Tensor      # [k] draft probabilities of the next token's candidates
+    topk_index: torch.Tensor  # [k] their target token ids
+    hidden: torch.Tensor      # [H] draft output at the last position
+
+
+@dataclass
+class DraftTree:
+    """N nodes per request; node 0 is the root (the last committed token)."""
+    tokens: torch.Tensor   # [B, N]
+    parents: torch.Tensor  # [B, N] (-1 for the root)
+    depths: torch.Tensor   # [B, N]
+    masks: torch.Tensor    # [B, N, N] bool: node i sees node j (ancestors and itself)
+
+
+class EagleWorker:
+    def __init__(self, args: ServerArgs, runner: ModelRunner, num_slots: int) -> None:
+        assert args.speculative_algorithm is not None and args.speculative_draft_model_path is not None
+        self.runner = runner
+        self.device = runner.device
+        self.algorithm = args.speculative_algorithm
+        self.steps, self.topk, self.num_draft_tokens = args.speculative_shape(runner.config.architecture)
+        if args.speculative_num_steps is None:
+            logger.info("speculative decoding: default shape for %s: num_steps %d, eagle_topk %d, "
+                        "num_draft_tokens %d", runner.config.architecture, self.steps, self.topk,
+                        self.num_draft_tokens)
+        draft_dir = Path(args.speculative_draft_model_path)
+        self.config = DraftConfig.from_dir(draft_dir, self.algorithm, runner.config)
+        target = runner.model
+        self.draft = EagleDraftModel.load(draft_dir, self.config, target.model.embed_tokens, target.lm_head,
+                                          self.device, runner.dtype)
+        lay = self.config.layer
+        self.draft_pool = TokenToKVPool("draft", 1, num_slots, lay.num_kv_heads, lay.head_dim, runner.kv_dtype,
+                                        self.device)
+        # The target feature of every slot: what the draft extend reads (and what a
+        # prefill server sends a speculative decode server).
+        self.features = torch.zeros(num_slots, self.config.feature_width, dtype=runner.dtype, device=self.device)
+        self.capture_layers: tuple[int, ...] = self.config.capture_layers
+        # Positions past kv_len one round uses: the verified tree and the draft scratch.
+        self.room = max(self.num_draft_tokens, (self.steps - 1) * self.topk)
+        self.draft.bind(TorchNativeAttention(self.draft_pool, lay.num_heads, lay.num_kv_heads, lay.head_dim),
+                        RotaryEmbedding(lay.head_dim, runner.context_len + self.room, lay.rope).to(self.device))
+        self.req_to_token: torch.Tensor | None = None
+        self.num_verify_rounds = 0
+        self.num_emitted_tokens = 0
+
+    def bind(self, req_to_token: torch.Tensor) -> None:
+        self.req_to_token = req_to_token
+
+    @property
+    def avg_accept_length(self) -> float:
+        """Tokens emitted per verify round (accepted drafts + the bonus), SGLang's convention."""
+        return self.num_emitted_tokens / self.num_verify_rounds if self.num_verify_rounds else 0.0
+
+    # ---- feature pool -----------------------------------------------------------
+    def store_features(self, slots: torch.Tensor, features: torch.Tensor) -> None:
+        self.features[slots] = features.to(self.features.dtype)
+
+    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Slot moves the target KV makes (compaction, forks) apply to the features too."""
+        self.features[dst] = self.features[src]
+
+    # ---- draft extend -------------------------------------------------------------
+    @torch.inference_mode()
+    def catch_up(self, reqs: list[Req]) -> None:
+        """Draft extend over each request's positions [draft_len, kv_len) (x_{p+1} known)."""
+        table = self.req_to_token
+        assert table is not None
+        todo = [r for r in reqs if r.row is not None and r.kv_len > r.draft_len]
+        if not todo:
+            return
+        ids: list[int] = []
+        for r in todo:
+            fill = r.fill_ids
+            assert len(fill) > r.kv_len, "the token after the last KV position must be known"
+            ids += fill[r.draft_len + 1: r.kv_len + 1]
+        dev = self.device
+        rows = torch.tensor([r.row for r in todo], dtype=torch.int64, device=dev)
+        starts = torch.tensor([r.draft_len for r in todo], dtype=torch.int64, device=dev)
+        lens = torch.tensor([r.kv_len - r.draft_len for r in todo], dtype=torch.int64, device=dev)
+        ctx = ForwardContext.build(table, rows, starts, lens)
+        hidden = self.draft(torch.tensor(ids, dtype=torch.int64, device=dev), self.features[ctx.out_cache_loc],
+                            ctx, from_target=True)
+        last = torch.cumsum(lens, 0) - 1
+        topk_p, topk_index = self._topk(hidden[last])
+        for i, r in enumerate(todo):
+            r.spec = SpecState(topk_p[i], topk_index[i], hidden[last[i]])
+            r.draft_len = r.kv_len
+
+    def _topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(self.draft.compute_logits(hidden), dim=-1)
+        p, idx = torch.topk(probs, self.topk, dim=-1)
+        mapping = self.draft.draft_to_target
+        return p, (mapping[idx] if mapping is not None else idx)
+
+    # ---- the draft tree ---------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, reqs: list[Req]) -> DraftTree:
+        table = self.req_to_token
+        assert table is not None
+        dev, k, b = self.device, self.topk, len(reqs)
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev)
+        n = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev)
+        states = [r.spec for r in reqs]
+        assert all(s is not None for s in states), "catch_up() before propose()"
+        front_tok = torch.stack([s.topk_index for s in states])       # [B, k]
+        front_score = torch.stack([s.topk_p for s in states])         # [B, k]
+        front_h = torch.stack([s.hidden for s in states]).unsqueeze(1).expand(b, k, -1)
+        front_entry = torch.arange(k, device=dev).expand(b, k)
+        front_anc = torch.empty(b, k, 0, dtype=torch.int64, device=dev)  # ancestors' scratch offsets
+        ent_tok, ent_score, ent_parent = [front_tok], [front_score], [torch.full((b, k), -1, device=dev)]
+        prefix_pos = torch.arange(int(n.max()), device=dev)
+        for i in range(1, self.steps):
+            own_off = (i - 1) * k + torch.arange(k, device=dev)            # scratch offsets of this step
+            offs = torch.cat([front_anc, own_off.view(1, k, 1).expand(b, k, 1)], dim=2)  # [B, k, i]
+            tree_slots = table[rows.view(b, 1, 1), n.view(b, 1, 1) + offs]            # [B, k, i]
+            pre_slots = table[rows.unsqueeze(1), prefix_pos.unsqueeze(0).clamp(max=table.shape[1] - 1)]
+            pre_len = prefix_pos.numel()
+            # Row layout: [prefix (padded to the longest) | ancestors + self].
+            kv = torch.cat([pre_slots.unsqueeze(1).expand(b, k, pre_len), tree_slots], dim=2).view(b * k, -1)
+            valid_pre = (prefix_pos.unsqueeze(0) < n.unsqueeze(1)).unsqueeze(1).expand(b, k, pre_len)
+            valid = torch.cat([valid_pre, torch.ones(b, k, i, dtype=torch.bool, device=dev)], dim=2)
+            ctx = ForwardContext.for_rows(kv, valid.reshape(b * k, -1), (n + i - 1).repeat_interleave(k),
+                                          tree_slots[:, :, -1].reshape(-1))
+            h = self.draft(front_tok.reshape(-1), front_h.reshape(b * k, -1), ctx, from_target=False)
+            child_p, child_tok = self._topk(h)                                        # [B*k, k]
+            expand = (front_score.unsqueeze(2) * child_p.view(b, k, k)).view(b, k * k)
+            ent_tok.append(child_tok.view(b, k * k))
+            ent_score.append(expand)
+            ent_parent.append(front_entry.unsqueeze(2).expand(b, k, k).reshape(b, k * k))
+            # Stable order: among equal scores the earlier (shallower) entry wins, so a
+            # node is never kept without its parent.
+            sel = torch.sort(-expand, dim=1, stable=True).indices[:, :k]
+            parent_front = torch.div(sel, k, rounding_mode="floor")
+            front_tok = child_tok.view(b, k * k).gather(1, sel)
+            front_score = expand.gather(1, sel)
+            front_h = h.view(b, k, -1).gather(1, parent_front.unsqueeze(2).expand(b, k, h.shape[-1]))
+            front_entry = k + (i - 1) * k * k + sel
+            front_anc = offs.gather(1, parent_front.unsqueeze(2).expand(b, k, i))
+        return self._select(reqs, torch.cat(ent_tok, 1), torch.cat(ent_score, 1), torch.cat(ent_parent, 1))
+
+    def _select(self, reqs: list[Req], tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor) -> DraftTree:
+        dev, b, n_nodes = self.device, len(reqs), self.num_draft_tokens
+        order = torch.sort(-score, dim=1, stable=True).indices[:, : n_nodes - 1]
+        chosen = order.sort(dim=1).values                                   # parents before children
+        entry_node = torch.full_like(score, -1, dtype=torch.int64)
+        entry_node.scatter_(1, chosen, torch.arange(1, n_nodes, device=dev).expand(b, n_nodes - 1))
+        par_entry = parent.gather(1, chosen)
+        par_node = torch.where(par_entry < 0, 0, entry_node.gather(1, par_entry.clamp(min=0)))
+        assert bool((par_node >= 0).all()), "a draft node was kept without its parent"
+        root = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev)
+        tokens = torch.cat([root.unsqueeze(1), tok.gather(1, chosen)], dim=1)
+        parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par_node], dim=1)
+        depths = torch.zeros(b, n_nodes, dtype=torch.int64, device=dev)
+        masks = torch.zeros(b, n_nodes, n_nodes, dtype=torch.bool, device=dev)
+        masks[:, 0, 0] = True
+        ar = torch.arange(b, device=dev)
+        for j in range(1, n_nodes):
+            p = parents[:, j]
+            depths[:, j] = depths[ar, p] + 1
+            masks[:, j] = masks[ar, p]
+            masks[:, j, j] = True
+        return DraftTree(tokens, parents, depths, masks)
+
+    # ---- verification -------------------------------------------------------------
+    def verify_input(self, reqs: list[Req], tree: DraftTree) -> ForwardInput:
+        dev = self.device
+        n = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev)
+        nodes = self.num_draft_tokens
+        return ForwardInput(
+            input_ids=tree.tokens.reshape(-1),
+            rows=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
+            prefix_lens=n,
+            extend_lens=torch.full_like(n, nodes),
+            sample_index=torch.arange(len(reqs) * nodes, device=dev),
+            positions=(n.unsqueeze(1) + tree.depths).reshape(-1),
+            extra_masks=list(tree.masks.unbind(0)),
+        )
+
+    @staticmethod
+    def accept_path(tree_tokens: list[int], tree_parents: list[int], drawn: list[int]) -> list[int]:
+        """Nodes whose draws are emitted, from the root: descend while the token drawn
+        at the current node is one of its children. The last node's draw is the
+        bonus token; every other draw equals the next node's token."""
+        children: dict[tuple[int, int], int] = {}
+        for node in range(1, len(tree_tokens)):
+            children.setdefault((tree_parents[node], tree_tokens[node]), node)
+        path = [0]
+        while (path[-1], drawn[path[-1]]) in children:
+            path.append(children[(path[-1], drawn[path[-1]])])
+        return path
