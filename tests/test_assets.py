@@ -37,3 +37,102 @@ def test_engine_defaults_to_demo_and_copies(make_engine):
                           sampling_params={"max_new_tokens": 40, "temperature": 0})
     assert out["text"] == "abc123xyz"
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def _target_config():
+    import json
+
+    from pdserve import assets
+
+    return json.loads((assets.path("demo") / "config.json").read_text())
+
+
+def test_eagle_head_has_the_eagle1_layout():
+    import json
+
+    from safetensors.torch import load_file
+
+    from pdserve import assets
+
+    d = assets.path("demo-eagle")
+    cfg, tgt = json.loads((d / "config.json").read_text()), _target_config()
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["num_hidden_layers"] == 1
+    h = tgt["hidden_size"]
+    assert cfg["hidden_size"] == h and cfg["vocab_size"] == tgt["vocab_size"]
+    w = load_file(str(d / "model.safetensors"))
+    assert tuple(w["fc.weight"].shape) == (h, 2 * h)
+    assert ("fc.bias" in w) == cfg.get("bias", True)
+    assert tuple(w["layers.0.self_attn.q_proj.weight"].shape) == (cfg["num_attention_heads"] * cfg["head_dim"], h)
+    assert "layers.0.input_layernorm.weight" not in w  # EAGLE-1 layer 0 has no input norm
+    assert not any(k.startswith(("lm_head", "norm.")) for k in w)  # the target's head is shared
+
+
+def test_eagle3_head_layout_and_d2t_maps_into_target_vocab():
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from pdserve import assets
+
+    d = assets.path("demo-eagle3")
+    cfg, tgt = json.loads((d / "config.json").read_text()), _target_config()
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    h, vd, v = tgt["hidden_size"], cfg["draft_vocab_size"], tgt["vocab_size"]
+    w = load_file(str(d / "model.safetensors"))
+    assert tuple(w["fc.weight"].shape) == (h, 3 * h)
+    assert w["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h  # cat(embed, hidden)
+    assert tuple(w["lm_head.weight"].shape) == (vd, h) and vd < v
+    for name in ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "norm.weight"):
+        assert tuple(w[name].shape) == (h,)
+    d2t, t2d = w["d2t"], w["t2d"]
+    assert d2t.dtype == torch.int64 and tuple(d2t.shape) == (vd,)
+    target_ids = torch.arange(vd) + d2t  # offsets, not absolute ids
+    assert int(target_ids.min()) >= 0 and int(target_ids.max()) < v
+    assert len(set(target_ids.tolist())) == vd
+    assert t2d.dtype == torch.bool and t2d.nonzero().flatten().tolist() == sorted(target_ids.tolist())
+    # Every token an answer can need is draftable: digits, lowercase, " + - =" and </s>.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(assets.path("demo")))
+    needed = tok("0123456789abcdefghijklmnopqrstuvwxyz +-=", add_special_tokens=False)["input_ids"]
+    assert set(needed + [tok.eos_token_id]) <= set(target_ids.tolist())
+    ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert len(ids) == 3 and ids == sorted(set(ids)) and max(ids) < tgt["num_hidden_layers"] - 1
+
+
+# A few fixed held-out questions (demo_tasks.is_heldout) the demo model answers exactly.
+FIXED_QUESTIONS = [
+    ("What is 15 + 17?", "15 + 17 = 32"),
+    ("What is 77 - 23?", "77 - 23 = 54"),
+    ("Repeat: aotsqeiyk64dcul", "aotsqeiyk64dcul"),
+    ("Remember: n=u0h, q=dti, h=97r, v=vuy. What is v?", "vuy"),
+]
+
+
+def test_fixed_questions_are_held_out():
+    from pdserve.assets import demo_tasks
+
+    assert [demo_tasks.is_heldout(q) for q, _ in FIXED_QUESTIONS] == [True] * len(FIXED_QUESTIONS)
+
+
+def test_demo_answers_fixed_questions_in_transformers_and_pdserve(make_engine):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pdserve import assets
+
+    d = assets.path("demo")
+    tok = AutoTokenizer.from_pretrained(str(d))
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    engine = make_engine(d)
+    for question, answer in FIXED_QUESTIONS:
+        prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=len(answer) + 3, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        assert tok.decode(out[0, len(ids):], skip_special_tokens=True) == answer, question
+        res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": len(answer) + 3, "temperature": 0})
+        assert res["text"] == answer, question

@@ -55,6 +55,9 @@ class ForwardContext:
     # extend
     kv_flat: torch.Tensor | None = None     # [sum kv_len] slots of all rows, row after row
     spans: tuple[RowSpan, ...] = ()
+    # tree verification: every row adds the same number of tokens; one batched
+    # SDPA over kv_indices with attn_mask [B, 1, q_per_row, Lk]
+    q_per_row: int = 0
 
     @classmethod
     def for_rows(cls, kv_indices: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
@@ -77,6 +80,8 @@ class ForwardContext:
         device = rows.device
         batch = rows.shape[0]
         kv_lens = prefix_lens + extend_lens
+        if extra_masks is not None and batch > 1 and bool((extend_lens == extend_lens[0]).all()):
+            return cls._uniform(req_to_token, rows, prefix_lens, int(extend_lens[0]), extra_masks, positions)
         if extra_masks is None and positions is None and bool((extend_lens == 1).all()):
             max_k = int(kv_lens.max())
             k_ar = torch.arange(max_k, device=device)
@@ -113,6 +118,33 @@ class ForwardContext:
         return cls(positions, out_loc, batch, False, kv_flat=kv_flat, spans=tuple(spans))
 
 
+    @classmethod
+    def _uniform(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, q_len: int,
+                 extra_masks: list[torch.Tensor | None], positions: torch.Tensor | None) -> "ForwardContext":
+        """Rows that each add ``q_len`` tokens restricted by ``extra_masks`` (a
+        verified tree): keys are each row's prefix followed by its new tokens."""
+        device = rows.device
+        batch = rows.shape[0]
+        kv_lens = prefix_lens + q_len
+        max_k = int(kv_lens.max())
+        k_ar = torch.arange(max_k, device=device)
+        valid = k_ar.unsqueeze(0) < kv_lens.unsqueeze(1)
+        kv_indices = torch.where(valid, req_to_token[rows, :max_k], 0)
+        q_idx = torch.arange(q_len, device=device)
+        slot_pos = (prefix_lens.unsqueeze(1) + q_idx.unsqueeze(0))                     # [B, q]
+        out_loc = req_to_token[rows.unsqueeze(1), slot_pos].reshape(-1)
+        # prefix keys: all visible; new keys: as the row's extra mask says
+        extra = torch.stack([m if m is not None else torch.ones(q_len, q_len, dtype=torch.bool, device=device)
+                             .tril() for m in extra_masks]).to(device)                  # [B, q, q]
+        rel = k_ar.view(1, 1, -1) - prefix_lens.view(-1, 1, 1)                          # [B, 1, Lk]
+        in_tree = (rel >= 0) & (rel < q_len)
+        tree_vis = torch.gather(extra, 2, rel.clamp(0, q_len - 1).expand(batch, q_len, max_k))
+        mask = torch.where(in_tree, tree_vis, rel < 0) & valid.unsqueeze(1)
+        pos = positions if positions is not None else slot_pos.reshape(-1)
+        return cls(pos, out_loc, batch, False, kv_indices=kv_indices, attn_mask=mask.unsqueeze(1),
+                   q_per_row=q_len)
+
+
 class TorchNativeAttention:
     """SDPA over KV gathered from the paged pool; runs anywhere torch runs."""
 
@@ -130,7 +162,18 @@ class TorchNativeAttention:
         self.pool.write(layer, ctx.out_cache_loc, k, v)
         if ctx.is_decode:
             return self._decode(layer, q, ctx)
+        if ctx.q_per_row:
+            return self._uniform(layer, q, ctx)
         return self._extend(layer, q, ctx)
+
+    def _uniform(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        assert ctx.kv_indices is not None
+        keys, values = self.pool.gather_head_major(layer, ctx.kv_indices)   # [B, Hkv, Lk, D]
+        b, n = ctx.batch_size, ctx.q_per_row
+        qb = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)    # [B, Hq, n, D]
+        out = F.scaled_dot_product_attention(qb, keys.to(q.dtype), values.to(q.dtype), attn_mask=ctx.attn_mask,
+                                             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(1, 2).reshape(b * n, self.num_heads * self.head_dim)
 
     def _decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         assert ctx.kv_indices is not None
