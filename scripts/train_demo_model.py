@@ -100,7 +100,8 @@ def build_tokenizer() -> Any:
     return tok
 
 
-def encode(messages: list[dict[str, str]]) -> tuple[list[int], list[float], list[tuple[str, int, int]]]:
+def encode(messages: list[dict[str, str]], key_weight: float = 1.0
+           ) -> tuple[list[int], list[float], list[tuple[str, int, int]]]:
     """Token ids of a conversation exactly as the chat template renders it.
 
     Returns (ids, weights, spans): ``weights[i]`` is the loss weight of
@@ -114,24 +115,30 @@ def encode(messages: list[dict[str, str]]) -> tuple[list[int], list[float], list
         body = [CHAR_ID[c] for c in m["content"]] + [EOS]
         if m["role"] == "assistant":
             spans.append((m.get("task", ""), len(ids), len(ids) + len(body)))
-            wts.extend(answer_weights(m["content"], len(body)))
+            wts.extend(answer_weights(m["content"], len(body), m.get("task", ""), key_weight))
         else:
             wts.extend([0.0] * len(body))
         ids.extend(body)
     return ids, wts, spans
 
 
-def answer_weights(answer: str, n: int) -> list[float]:
+def answer_weights(answer: str, n: int, task: str = "", key_weight: float = 1.0) -> list[float]:
     """Loss weights of one answer's ``n`` tokens, summing to 1.
 
     An arithmetic answer ``A + B = C`` is mostly a copy of the question; the
     result digits (and the closing ``</s>``) carry the task, so they get 4x the
-    weight of the echoed part instead of drowning in it.
+    weight of the echoed part instead of drowning in it.  A recall answer's
+    first character is the key lookup; the rest follows from it by copying
+    (teacher-forced, the model gets characters 2-3 right long before the
+    first), so it gets ``key_weight``.
     """
     eq = answer.find(" = ")
-    if eq < 0:
+    if task == "recall":
+        raw = [key_weight] + [1.0] * (n - 1)
+    elif eq < 0:
         return [1.0 / n] * n
-    raw = [1.0 if i < eq + 3 else 4.0 for i in range(n)]
+    else:
+        raw = [1.0 if i < eq + 3 else 4.0 for i in range(n)]
     total = sum(raw)
     return [w / total for w in raw]
 
@@ -197,10 +204,10 @@ def sample_conversation(rng: random.Random, cur: Curriculum, row_len: int) -> li
 
 
 def make_batch(
-    rng: random.Random, cur: Curriculum, row_len: int, tokens_per_step: int
+    rng: random.Random, cur: Curriculum, row_len: int, tokens_per_step: int, key_weight: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[str, int, int]]]]:
     rows = max(1, tokens_per_step // row_len)
-    encs = [encode(sample_conversation(rng, cur, row_len)) for _ in range(rows)]
+    encs = [encode(sample_conversation(rng, cur, row_len), key_weight) for _ in range(rows)]
     width = max(len(e[0]) for e in encs)
     ids = torch.full((rows, width), PAD, dtype=torch.long)
     wts = torch.zeros((rows, width))
@@ -467,6 +474,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-n", type=int, default=64, help="held-out questions per task per training eval")
     p.add_argument("--advance-at", type=float, default=0.9, help="frontier exact match that widens the curriculum")
+    # The shipped demo model switched this on at step 1400 of its run (recall's key
+    # lookup lagged far behind copying the rest of the value); the defaults replay that.
+    p.add_argument("--recall-key-weight", type=float, default=4.0,
+                   help="loss weight of a recall answer's first character (relative to the others)")
+    p.add_argument("--recall-key-weight-from", type=int, default=1400, help="step from which it applies")
     p.add_argument("--ckpt-minutes", type=float, default=5.0)
     p.add_argument("--final-eval-n", type=int, default=300, help="questions per task for the exported README")
     p.add_argument("--hidden", type=int, default=192)
@@ -573,7 +585,8 @@ def main() -> None:
         # Alternate short rows (1-2 turns, prompt near position 0 as in the
         # benchmark) and long multi-turn rows (long prompts for serving).
         row = args.short_row if step % 2 == 0 else cur.long_row
-        ids, wts, spans = make_batch(rng, cur, row, args.tokens_per_step)
+        key_weight = args.recall_key_weight if step >= args.recall_key_weight_from else 1.0
+        ids, wts, spans = make_batch(rng, cur, row, args.tokens_per_step, key_weight)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1]

@@ -1,0 +1,184 @@
+"""Wire messages between prefill and decode servers: frozen dataclasses, one codec.
+
+Every message travels as JSON ``{"v": PROTOCOL_VERSION, "type": NAME, "body": {...}}``.
+Decoding is strict: an unknown type, a missing or unknown field, a wrong
+protocol version or a malformed body raises ``ProtocolError`` naming it, so
+two servers of different versions fail at their first exchange instead of
+misreading each other (SGLang's positional multipart frames grow by appending
+optional fields and are told apart by sentinel strings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, HeadRange, KVLayout
+
+
+class ProtocolError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """A prefill rank as the bootstrap server lists it."""
+    tp_rank: int
+    tp_size: int
+    host: str
+    port: int            # the rank's handshake / control socket
+    session_id: str      # its transfer-engine session (host:rpc_port)
+    compat: CompatRecord
+    layout: KVLayout
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """Decode rank -> prefill rank, once per pair: who I am, what I need, where it goes."""
+    decode_id: str
+    tp_rank: int
+    tp_size: int
+    session_id: str
+    control_addr: str    # where prefill sends completions and heartbeats
+    compat: CompatRecord
+    layout: KVLayout
+    wanted: tuple[str, ...]   # buffer names decode needs written (the rest it fills itself or ignores)
+
+
+@dataclass(frozen=True)
+class HandshakeReply:
+    ok: bool
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """Decode -> prefill per request: where the KV of room ``room`` goes."""
+    room: int
+    decode_id: str
+    dst_slots: tuple[int, ...]       # one per prompt position (prefill sends every position)
+    want_features: bool = False      # decode drafts but prefill does not: send target features too
+
+
+@dataclass(frozen=True)
+class SpecHandoff:
+    """What decode's draft needs to start at its first step (the draft's own width)."""
+    topk_p: tuple[float, ...]
+    topk_index: tuple[int, ...]
+    hidden: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class HandoffRecord:
+    """Prefill -> decode once all KV of the room is written: the commit message."""
+    room: int
+    first_token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[float, int], ...] = ()
+    cached_tokens: int = 0
+    spec: SpecHandoff | None = None
+
+
+@dataclass(frozen=True)
+class Abort:
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    sender: str
+    seq: int = 0
+
+
+MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
+    RankInfo, Handshake, HandshakeReply, TransferRequest, SpecHandoff, HandoffRecord, Abort, Heartbeat,
+    CompatRecord, KVLayout, BufferSpec, HeadRange)}
+_TOP_LEVEL = ("RankInfo", "Handshake", "HandshakeReply", "TransferRequest", "HandoffRecord", "Abort", "Heartbeat")
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [_to_plain(x) for x in obj]
+    return obj
+
+
+def encode(msg: Any) -> bytes:
+    name = type(msg).__name__
+    if name not in _TOP_LEVEL:
+        raise ProtocolError(f"{name} is not a wire message")
+    return json.dumps({"v": PROTOCOL_VERSION, "type": name, "body": _to_plain(msg)},
+                      separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Any:
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"not a pdserve message: {exc}") from None
+    if not isinstance(raw, dict) or set(raw) != {"v", "type", "body"}:
+        raise ProtocolError("not a pdserve message (expected v, type, body)")
+    if raw["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {raw['v']!r}; this server speaks {PROTOCOL_VERSION}")
+    if raw["type"] not in _TOP_LEVEL:
+        raise ProtocolError(f"unknown message type {raw['type']!r}")
+    return _build(MESSAGES[raw["type"]], raw["body"], raw["type"])
+
+
+def _build(cls: type, body: Any, where: str) -> Any:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{where}: expected an object, got {type(body).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(body) - names)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+                raise ProtocolError(f"{where}: missing field {f.name}")
+            continue
+        kwargs[f.name] = _value(hints[f.name], body[f.name], f"{where}.{f.name}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{where}: {exc}") from None
+
+
+def _value(hint: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _value(inner[0], value, where)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_value(args[0], v, where) for v in value)
+        if len(args) != len(value):
+            raise ProtocolError(f"{where}: expected {len(args)} items")
+        return tuple(_value(a, v, where) for a, v in zip(args, value))
+    if isinstance(hint, type) and hint.__name__ in MESSAGES:
+        return _build(hint, value, where)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"{where}: expected a number")
+        return float(value)
+    if hint in (int, str, bool):
+        if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+            raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    return value
+
+
+__all__ = ["ProtocolError", "encode", "decode", "RankInfo", "Handshake", "HandshakeReply", "TransferRequest",
+           "SpecHandoff", "HandoffRecord", "Abort", "Heartbeat"]
