@@ -117,6 +117,16 @@ def encode(msg: Any) -> bytes:
                       separators=(",", ":")).encode()
 
 
+def to_body(msg: Any) -> dict[str, Any]:
+    """A message's JSON body (for containers that list several messages)."""
+    return _to_plain(msg)
+
+
+def from_body(cls: type, body: Any) -> Any:
+    """The inverse of ``to_body``, as strict as ``decode``."""
+    return _build(cls, body, cls.__name__)
+
+
 def decode(data: bytes) -> Any:
     try:
         raw = json.loads(data)
@@ -180,5 +190,5 @@ def _value(hint: Any, value: Any, where: str) -> Any:
     return value
 
 
-__all__ = ["ProtocolError", "encode", "decode", "RankInfo", "Handshake", "HandshakeReply", "TransferRequest",
+__all__ = ["ProtocolError", "encode", "decode", "to_body", "from_body", "RankInfo", "Handshake", "HandshakeReply", "TransferRequest",
            "SpecHandoff", "HandoffRecord", "Abort", "Heartbeat"]
