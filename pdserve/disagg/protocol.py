@@ -51,6 +51,7 @@ class Handshake:
 
 @dataclass(frozen=True)
 class HandshakeReply:
+    sender: str          # the prefill rank's control address
     ok: bool
     error: str = ""
 
@@ -76,6 +77,7 @@ class SpecHandoff:
 class HandoffRecord:
     """Prefill -> decode once all KV of the room is written: the commit message."""
     room: int
+    sender: str          # the prefill rank's control address (each rank reports)
     first_token: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[float, int], ...] = ()

@@ -18,11 +18,11 @@ MESSAGES = [
     P.RankInfo(0, 2, "127.0.0.1", 5555, "127.0.0.1:16000", COMPAT, LAYOUT),
     P.Handshake("dec-1", 1, 2, "127.0.0.1:17000", "tcp://127.0.0.1:6000", COMPAT, LAYOUT,
                 ("target.L0.K", "target.L0.V")),
-    P.HandshakeReply(False, "page_size: 16 vs 1"),
+    P.HandshakeReply("tcp://127.0.0.1:5555", False, "page_size: 16 vs 1"),
     P.TransferRequest(2**63 - 1, "dec-1", (5, 6, 7, 100), want_features=True),
-    P.HandoffRecord(7, 42, -0.25, ((-0.25, 42), (-1.5, 3)), 16,
+    P.HandoffRecord(7, "tcp://127.0.0.1:5555", 42, -0.25, ((-0.25, 42), (-1.5, 3)), 16,
                     P.SpecHandoff((0.9, 0.1), (42, 7), (0.5, -0.5, 1.0))),
-    P.HandoffRecord(8, 1),
+    P.HandoffRecord(8, "tcp://127.0.0.1:5555", 1),
     P.Abort(7, "decode server is shutting down"),
     P.Heartbeat("prefill-0", 3),
 ]
@@ -48,7 +48,8 @@ def _raw(type_name: str, body: dict, v: int = PROTOCOL_VERSION) -> bytes:
     (_raw("Abort", {"room": "1", "reason": "x"}), "Abort.room: expected int"),
     (_raw("Abort", {"room": True, "reason": "x"}), "Abort.room: expected int"),
     (_raw("TransferRequest", {"room": 1, "decode_id": "d", "dst_slots": [1, "2"]}), "dst_slots"),
-    (_raw("HandoffRecord", {"room": 1, "first_token": 2, "spec": {"topk_p": [1.0]}}), "spec: missing field"),
+    (_raw("HandoffRecord", {"room": 1, "sender": "s", "first_token": 2, "spec": {"topk_p": [1.0]}}),
+     "spec: missing field"),
 ])
 def test_bad_messages_are_refused(data, match):
     with pytest.raises(P.ProtocolError, match=match):

@@ -1,0 +1,517 @@
+"""Transfer managers: the prefill and decode ends of a room's handoff.
+
+Each manager owns one control socket (a ZMQ PULL it binds) and one I/O thread
+that owns every socket: it receives messages, sends queued ones, and sends and
+checks heartbeats.  The prefill manager also owns a transfer thread that
+performs the KV writes in order per room and then sends the room's handoff
+record.  Schedulers call the non-blocking methods (``send`` / ``finish`` /
+``add_room`` / ``poll``); nothing they call waits on the network.
+
+Failures are per room and always carry a reason: a write error fails that room
+only; a peer that misses heartbeats fails every room it was part of; an
+exception in a handler is logged and fails what it touched, never the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from pdserve.disagg import protocol as P
+from pdserve.disagg.layout import (CompatRecord, HandshakeError, HeadRange, KVLayout, TransferPlan,
+                                   check_compatible, plan_transfer)
+from pdserve.disagg.rooms import Deadlines, RoomState, RoomTable
+from pdserve.disagg.transfer import TransferEngine, TransferError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = 3           # a peer silent this many intervals is dead
+    handshake_timeout_s: float = 10.0
+    deadlines: Deadlines = Deadlines()
+
+
+class _Link:
+    """The I/O thread: one PULL socket in, PUSH sockets out, heartbeats."""
+
+    def __init__(self, host: str, name: str, cfg: LinkConfig, on_message: Callable[[Any], None],
+                 on_peer_dead: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.name = name
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.addr = f"tcp://{host}:{port}"
+        self._out: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._push: dict[str, zmq.Socket] = {}
+        self._peers: dict[str, float] = {}       # control addr -> last time heard from
+        self._on_message = on_message
+        self._on_peer_dead = on_peer_dead
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-io", daemon=True)
+        self._thread.start()
+
+    def send(self, addr: str, msg: Any) -> None:
+        self._out.put((addr, msg))
+
+    def watch(self, addr: str) -> None:
+        """Start heartbeating with a peer (and expecting its heartbeats)."""
+        self._out.put((addr, "watch"))
+
+    def forget(self, addr: str) -> None:
+        self._out.put((addr, "forget"))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._out.put(None)
+        self._thread.join(5)
+
+    def _socket(self, addr: str) -> zmq.Socket:
+        sock = self._push.get(addr)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.connect(addr)
+            self._push[addr] = sock
+        return sock
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        next_beat = 0.0
+        seq = 0
+        while not self._stop.is_set():
+            try:
+                for sock, _ in poller.poll(20):
+                    data = sock.recv()
+                    try:
+                        msg = P.decode(data)
+                    except P.ProtocolError as exc:
+                        logger.warning("%s: dropped a bad message: %s", self.name, exc)
+                        continue
+                    if isinstance(msg, P.Heartbeat):
+                        if msg.sender in self._peers:
+                            self._peers[msg.sender] = time.monotonic()
+                        continue
+                    self._on_message(msg)
+                while True:
+                    try:
+                        item = self._out.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        self._stop.set()
+                        break
+                    addr, msg = item
+                    if msg == "watch":
+                        self._peers.setdefault(addr, time.monotonic())
+                    elif msg == "forget":
+                        self._peers.pop(addr, None)
+                    else:
+                        self._socket(addr).send(P.encode(msg), zmq.NOBLOCK)
+                now = time.monotonic()
+                if now >= next_beat:
+                    seq += 1
+                    for addr in list(self._peers):
+                        self._socket(addr).send(P.encode(P.Heartbeat(self.addr, seq)), zmq.NOBLOCK)
+                    next_beat = now + self.cfg.heartbeat_interval_s
+                    limit = self.cfg.heartbeat_interval_s * self.cfg.heartbeat_misses
+                    for addr, seen in list(self._peers.items()):
+                        if now - seen > limit:
+                            del self._peers[addr]
+                            self._on_peer_dead(addr)
+            except Exception:  # one bad message or peer must not end the thread
+                logger.exception("%s: I/O loop error", self.name)
+        for sock in self._push.values():
+            sock.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+
+
+# ---------------------------------------------------------------------------
+# Prefill side
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _DecodePeer:
+    handshake: P.Handshake
+    plan: TransferPlan
+    feature_plan: TransferPlan | None
+
+
+@dataclass
+class _PrefillRoom:
+    request: P.TransferRequest
+    pending: int = 0                       # queued writes not yet done
+    record: P.HandoffRecord | None = None  # set by finish(); sent once pending == 0
+    bytes_sent: int = 0
+
+
+class PrefillTransferManager:
+    def __init__(self, engine: TransferEngine, compat: CompatRecord, layout: KVLayout, tp_rank: int,
+                 head_ranges: Sequence[HeadRange] | None, host: str = "127.0.0.1",
+                 cfg: LinkConfig = LinkConfig()) -> None:
+        self.engine, self.compat, self.layout = engine, compat, layout
+        self.tp_rank, self.head_ranges = tp_rank, list(head_ranges) if head_ranges else None
+        self.rooms = RoomTable(cfg.deadlines)
+        self._peers: dict[str, _DecodePeer] = {}
+        self._by_addr: dict[str, str] = {}
+        self._rooms: dict[int, _PrefillRoom] = {}
+        self._lock = threading.Lock()
+        self._work: queue.Queue[tuple[str, int, Any] | None] = queue.Queue()
+        self.bytes_sent = 0
+        self.transfer_seconds = 0.0
+        self._link = _Link(host, f"prefill{tp_rank}", cfg, self._on_message, self._on_peer_dead)
+        self._worker = threading.Thread(target=self._transfer_loop, name=f"prefill{tp_rank}-xfer", daemon=True)
+        self._worker.start()
+
+    @property
+    def control_addr(self) -> str:
+        return self._link.addr
+
+    def rank_info(self, tp_size: int, host: str) -> P.RankInfo:
+        port = int(self._link.addr.rsplit(":", 1)[1])
+        return P.RankInfo(self.tp_rank, tp_size, host, port, self.engine.session_id, self.compat, self.layout)
+
+    # ---- messages (I/O thread) ----------------------------------------------------
+    def _on_message(self, msg: Any) -> None:
+        if isinstance(msg, P.Handshake):
+            self._handshake(msg)
+        elif isinstance(msg, P.TransferRequest):
+            self._transfer_request(msg)
+        elif isinstance(msg, P.Abort):
+            self.rooms.fail(msg.room, f"aborted by decode: {msg.reason}", "aborted")
+
+    def _handshake(self, hs: P.Handshake) -> None:
+        try:
+            check_compatible(self.compat, hs.compat)
+            wanted = [n for n in hs.wanted if n != "features"]
+            plan = plan_transfer(self.layout, hs.layout, wanted, self.tp_rank, self.head_ranges)
+            feature_plan = None
+            if "features" in hs.wanted:
+                if "features" not in self.layout.by_name():
+                    raise HandshakeError("decode needs target features but this prefill server captures none")
+                feature_plan = plan_transfer(self.layout, hs.layout, ["features"])
+        except HandshakeError as exc:
+            self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, False, str(exc)))
+            return
+        with self._lock:
+            self._peers[hs.decode_id] = _DecodePeer(hs, plan, feature_plan)
+            self._by_addr[hs.control_addr] = hs.decode_id
+        self._link.watch(hs.control_addr)
+        self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, True))
+
+    def _transfer_request(self, req: P.TransferRequest) -> None:
+        with self._lock:
+            peer = self._peers.get(req.decode_id)
+        if peer is None:
+            logger.warning("transfer request for room %d from unknown decode %s", req.room, req.decode_id)
+            return
+        room = self.rooms.get(req.room)
+        if room is None or room.state.terminal:
+            # Decode asked before the prefill request arrived: open the room now.
+            try:
+                self.rooms.open(req.room)
+            except Exception as exc:
+                self._link.send(peer.handshake.control_addr, P.Abort(req.room, str(exc)))
+                return
+        with self._lock:
+            self._rooms[req.room] = _PrefillRoom(req)
+        self.rooms.advance(req.room, RoomState.WAITING_FOR_INPUT)
+
+    def _on_peer_dead(self, addr: str) -> None:
+        with self._lock:
+            decode_id = self._by_addr.pop(addr, None)
+            if decode_id is None:
+                return
+            self._peers.pop(decode_id, None)
+            rooms = [r for r, pr in self._rooms.items() if pr.request.decode_id == decode_id]
+        self.rooms.fail_all(f"decode server {addr} stopped answering heartbeats", "peer_dead", rooms)
+
+    # ---- scheduler-facing ----------------------------------------------------------
+    def open(self, room: int) -> None:
+        """The prefill request of ``room`` arrived (it may precede or follow decode's)."""
+        r = self.rooms.get(room)
+        if r is not None and not r.state.terminal:
+            return  # decode's transfer request came first
+        self.rooms.open(room)
+
+    def ready(self, room: int) -> bool:
+        """Decode said where the KV goes: the prefill may send."""
+        with self._lock:
+            known = room in self._rooms
+        r = self.rooms.get(room)
+        return known and r is not None and r.state in (RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING)
+
+    def send(self, room: int, src_slots: Sequence[int], first_position: int) -> None:
+        """Queue the write of prompt positions [first_position, +len(src_slots)) of ``room``."""
+        r = self.rooms.get(room)
+        if r is not None and r.state is RoomState.WAITING_FOR_INPUT:
+            self.rooms.advance(room, RoomState.TRANSFERRING)
+        with self._lock:
+            pr = self._rooms.get(room)
+            if pr is None:
+                raise RuntimeError(f"room {room}: send() before decode's transfer request")
+            pr.pending += 1
+        self._work.put(("write", room, (list(src_slots), first_position)))
+
+    def finish(self, room: int, record: P.HandoffRecord) -> None:
+        """The last chunk is queued: send the handoff record once all writes are done."""
+        self._work.put(("finish", room, record))
+
+    def status(self, room: int) -> tuple[RoomState, str | None]:
+        r = self.rooms.get(room)
+        if r is None:
+            return RoomState.FAILED, f"unknown room {room}"
+        return r.state, r.reason
+
+    def release(self, room: int) -> None:
+        """The scheduler is done with a terminal room."""
+        with self._lock:
+            self._rooms.pop(room, None)
+        r = self.rooms.get(room)
+        if r is not None and r.state.terminal:
+            self.rooms.close(room)
+
+    def abort(self, room: int, reason: str) -> None:
+        if self.rooms.fail(room, reason, "aborted"):
+            with self._lock:
+                pr = self._rooms.get(room)
+                peer = self._peers.get(pr.request.decode_id) if pr else None
+            if peer is not None:
+                self._link.send(peer.handshake.control_addr, P.Abort(room, reason))
+
+    def expire(self) -> list[int]:
+        """Fail rooms past their deadline; tell their decode servers."""
+        failed = self.rooms.expire()
+        for r in failed:
+            with self._lock:
+                pr = self._rooms.get(r.room)
+                peer = self._peers.get(pr.request.decode_id) if pr else None
+            if peer is not None:
+                self._link.send(peer.handshake.control_addr, P.Abort(r.room, r.reason or "timeout"))
+        return [r.room for r in failed]
+
+    # ---- transfer thread ------------------------------------------------------------
+    def _transfer_loop(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            kind, room, arg = item
+            try:
+                if kind == "write":
+                    self._write(room, *arg)
+                else:
+                    self._finish(room, arg)
+            except Exception as exc:  # fail the room, keep the thread
+                logger.exception("room %d: transfer failed", room)
+                self.rooms.fail(room, f"KV transfer failed: {exc}", "transfer_error")
+                self._notify_failure(room, f"KV transfer failed: {exc}")
+
+    def _write(self, room: int, src_slots: list[int], first: int) -> None:
+        with self._lock:
+            pr = self._rooms.get(room)
+            peer = self._peers.get(pr.request.decode_id) if pr else None
+        if pr is None or peer is None:
+            return
+        try:
+            state, _ = self.status(room)
+            if state is RoomState.FAILED:
+                return
+            dst = pr.request.dst_slots[first: first + len(src_slots)]
+            if len(dst) != len(src_slots):
+                raise TransferError(f"positions {first}..{first + len(src_slots)} exceed the "
+                                    f"{len(pr.request.dst_slots)} slots decode reserved")
+            t0 = time.perf_counter()
+            batch = peer.plan.writes(src_slots, dst)
+            if pr.request.want_features and peer.feature_plan is not None:
+                extra = peer.feature_plan.writes(src_slots, dst)
+                batch = type(batch)(batch.src + extra.src, batch.dst + extra.dst, batch.lengths + extra.lengths)
+            self.engine.write(peer.handshake.session_id, batch)
+            self.transfer_seconds += time.perf_counter() - t0
+            self.bytes_sent += batch.nbytes
+            pr.bytes_sent += batch.nbytes
+        finally:
+            with self._lock:
+                pr.pending -= 1
+            self._maybe_send_record(room)
+
+    def _finish(self, room: int, record: P.HandoffRecord) -> None:
+        with self._lock:
+            pr = self._rooms.get(room)
+            if pr is None:
+                return
+            pr.record = record
+        self._maybe_send_record(room)
+
+    def _maybe_send_record(self, room: int) -> None:
+        with self._lock:
+            pr = self._rooms.get(room)
+            if pr is None or pr.record is None or pr.pending:
+                return
+            record, pr.record = pr.record, None
+            peer = self._peers.get(pr.request.decode_id)
+        state, _ = self.status(room)
+        if state is not RoomState.TRANSFERRING or peer is None:
+            return
+        self._link.send(peer.handshake.control_addr, P.HandoffRecord(**{**record.__dict__, "sender": self._link.addr}))
+        self.rooms.advance(room, RoomState.SUCCESS)
+
+    def _notify_failure(self, room: int, reason: str) -> None:
+        with self._lock:
+            pr = self._rooms.get(room)
+            peer = self._peers.get(pr.request.decode_id) if pr else None
+        if peer is not None:
+            self._link.send(peer.handshake.control_addr, P.Abort(room, reason))
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._worker.join(5)
+        self._link.close()
+
+
+# ---------------------------------------------------------------------------
+# Decode side
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _PrefillPeer:
+    info: P.RankInfo
+    control_addr: str
+
+
+@dataclass
+class _DecodeRoom:
+    senders: set[str] = field(default_factory=set)   # prefill control addrs still to report
+    record: P.HandoffRecord | None = None
+
+
+class DecodeTransferManager:
+    def __init__(self, engine: TransferEngine, compat: CompatRecord, layout: KVLayout, tp_rank: int, tp_size: int,
+                 wanted: Sequence[str], host: str = "127.0.0.1", cfg: LinkConfig = LinkConfig()) -> None:
+        self.engine, self.compat, self.layout = engine, compat, layout
+        self.tp_rank, self.tp_size, self.wanted = tp_rank, tp_size, tuple(wanted)
+        self.cfg = cfg
+        self.decode_id = f"decode-{uuid.uuid4().hex[:12]}-r{tp_rank}"
+        self.rooms = RoomTable(cfg.deadlines)
+        self._rooms: dict[int, _DecodeRoom] = {}
+        self._handshakes: dict[str, threading.Event] = {}
+        self._handshake_error: dict[str, str] = {}
+        self._connected: dict[str, list[_PrefillPeer]] = {}   # bootstrap url -> prefill ranks
+        self._lock = threading.Lock()
+        self._link = _Link(host, f"decode{tp_rank}", cfg, self._on_message, self._on_peer_dead)
+
+    def connect(self, bootstrap_url: str, ranks: Sequence[P.RankInfo]) -> list[_PrefillPeer]:
+        """Handshake with every prefill rank of one prefill server (blocking, once)."""
+        with self._lock:
+            if bootstrap_url in self._connected:
+                return self._connected[bootstrap_url]
+        peers = []
+        for info in ranks:
+            addr = f"tcp://{info.host}:{info.port}"
+            check_compatible(info.compat, self.compat)
+            event = threading.Event()
+            with self._lock:
+                self._handshakes[addr] = event
+            self._link.send(addr, P.Handshake(self.decode_id, self.tp_rank, self.tp_size, self.engine.session_id,
+                                              self._link.addr, self.compat, self.layout, self.wanted))
+            if not event.wait(self.cfg.handshake_timeout_s):
+                raise HandshakeError(f"prefill rank {info.tp_rank} at {addr} did not answer the handshake within "
+                                     f"{self.cfg.handshake_timeout_s:g} s")
+            err = self._handshake_error.pop(addr, None)
+            if err:
+                raise HandshakeError(err)
+            self._link.watch(addr)
+            peers.append(_PrefillPeer(info, addr))
+        with self._lock:
+            self._connected[bootstrap_url] = peers
+        return peers
+
+    def add_room(self, room: int, peers: Sequence[_PrefillPeer], dst_slots: Sequence[int],
+                 want_features: bool = False) -> None:
+        """Reserve ``room``: tell every prefill rank where its KV goes."""
+        self.rooms.open(room)
+        with self._lock:
+            self._rooms[room] = _DecodeRoom(senders={p.control_addr for p in peers})
+        req = P.TransferRequest(room, self.decode_id, tuple(dst_slots), want_features)
+        for p in peers:
+            self._link.send(p.control_addr, req)
+        self.rooms.advance(room, RoomState.WAITING_FOR_INPUT)
+
+    def poll(self, room: int) -> tuple[RoomState, P.HandoffRecord | None, str | None]:
+        r = self.rooms.get(room)
+        if r is None:
+            return RoomState.FAILED, None, f"unknown room {room}"
+        with self._lock:
+            dr = self._rooms.get(room)
+            record = dr.record if dr else None
+        return r.state, record if r.state is RoomState.SUCCESS else None, r.reason
+
+    def abort(self, room: int, reason: str) -> None:
+        if self.rooms.fail(room, reason, "aborted"):
+            with self._lock:
+                dr = self._rooms.get(room)
+                senders = list(dr.senders) if dr else []
+            for addr in senders:
+                self._link.send(addr, P.Abort(room, reason))
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+        r = self.rooms.get(room)
+        if r is not None and r.state.terminal:
+            self.rooms.close(room)
+
+    def expire(self) -> list[int]:
+        return [r.room for r in self.rooms.expire()]
+
+    # ---- I/O thread -------------------------------------------------------------------
+    def _on_message(self, msg: Any) -> None:
+        if isinstance(msg, P.HandshakeReply):
+            with self._lock:
+                event = self._handshakes.get(msg.sender)
+                if event is not None:
+                    if not msg.ok:
+                        self._handshake_error[msg.sender] = msg.error
+                    event.set()
+        elif isinstance(msg, P.HandoffRecord):
+            with self._lock:
+                dr = self._rooms.get(msg.room)
+                if dr is None:
+                    return
+                dr.senders.discard(msg.sender)
+                if dr.record is None:  # every rank reports the same first token
+                    dr.record = msg
+                done = not dr.senders
+            if done:
+                r = self.rooms.get(msg.room)
+                if r is not None and r.state is RoomState.WAITING_FOR_INPUT:
+                    self.rooms.advance(msg.room, RoomState.TRANSFERRING)
+                self.rooms.advance(msg.room, RoomState.SUCCESS)
+        elif isinstance(msg, P.Abort):
+            self.rooms.fail(msg.room, f"prefill failed the request: {msg.reason}", "prefill_error")
+
+    def _on_peer_dead(self, addr: str) -> None:
+        with self._lock:
+            rooms = [r for r, dr in self._rooms.items() if addr in dr.senders]
+            for url, peers in list(self._connected.items()):
+                if any(p.control_addr == addr for p in peers):
+                    del self._connected[url]
+        self.rooms.fail_all(f"prefill server {addr} stopped answering heartbeats", "peer_dead", rooms)
+
+    def close(self) -> None:
+        self._link.close()

@@ -1,0 +1,165 @@
+"""Prefill and decode transfer managers over real ZMQ sockets (in one process, with the
+in-process memcpy engine): the handoff, handshake refusals, aborts both ways, a dead
+peer detected by heartbeats, a failed write, deadlines. Every failure carries a reason."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.disagg import protocol as P
+from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, HandshakeError, KVLayout
+from pdserve.disagg.manager import DecodeTransferManager, LinkConfig, PrefillTransferManager
+from pdserve.disagg.rooms import Deadlines, RoomState
+from pdserve.disagg.transfer import LocalTransfer, TransferError
+
+SLOTS, WIDTH = 64, 8
+COMPAT = CompatRecord(PROTOCOL_VERSION, "LlamaForCausalLM", 1, 2, 4, "float32", 1, 104)
+FAST = LinkConfig(heartbeat_interval_s=0.1, heartbeat_misses=3, handshake_timeout_s=3,
+                  deadlines=Deadlines(bootstrapping=2, waiting_for_input=2, transferring=2))
+
+
+def buffers(fill=None):
+    out = {n: (torch.randn(SLOTS, WIDTH) if fill is None else torch.full((SLOTS, WIDTH), fill))
+           for n in ("target.L0.K", "target.L0.V")}
+    return out, KVLayout(1, tuple(BufferSpec(n, t.data_ptr(), SLOTS, WIDTH * 4) for n, t in out.items()))
+
+
+def wait_for(pred, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+def pair():
+    src, src_layout = buffers()
+    dst, dst_layout = buffers(0.0)
+    pre = PrefillTransferManager(LocalTransfer(), COMPAT, src_layout, 0, None, cfg=FAST)
+    dec = DecodeTransferManager(LocalTransfer(), COMPAT, dst_layout, 0, 1, ["target.L0.K", "target.L0.V"], cfg=FAST)
+    peers = dec.connect("bootstrap", [pre.rank_info(1, "127.0.0.1")])
+    yield pre, dec, peers, src, dst
+    dec.close()
+    pre.close()
+
+
+def test_handoff_in_chunks(pair):
+    pre, dec, peers, src, dst = pair
+    pre.open(42)
+    dec.add_room(42, peers, dst_slots=list(range(30, 40)))
+    assert wait_for(lambda: pre.ready(42))
+    pre.send(42, [0, 1, 2, 3], 0)          # chunk 1: positions 0..3
+    pre.send(42, [9, 8, 7, 6, 5, 4], 4)    # chunk 2: positions 4..9
+    pre.finish(42, P.HandoffRecord(42, "", first_token=17, logprob=-0.5, cached_tokens=3))
+    assert wait_for(lambda: dec.poll(42)[0] is RoomState.SUCCESS)
+    state, record, _ = dec.poll(42)
+    assert (record.first_token, record.logprob, record.cached_tokens) == (17, -0.5, 3)
+    for name in src:
+        assert torch.equal(dst[name][30:40], src[name][[0, 1, 2, 3, 9, 8, 7, 6, 5, 4]])
+        assert not dst[name][:30].any() and not dst[name][40:].any()
+    assert pre.status(42)[0] is RoomState.SUCCESS and pre.bytes_sent == 2 * 10 * WIDTH * 4
+    pre.release(42)
+    dec.release(42)
+    assert dec.rooms.counts()["success"] == 0
+    # A room number may be used again once it ended; a live one may not.
+    dec.add_room(42, peers, dst_slots=[1])
+    with pytest.raises(Exception, match="already in use"):
+        dec.add_room(42, peers, dst_slots=[2])
+
+
+def test_incompatible_pair_refused_at_handshake():
+    src, src_layout = buffers()
+    dst, dst_layout = buffers(0.0)
+    pre = PrefillTransferManager(LocalTransfer(), COMPAT, src_layout, 0, None, cfg=FAST)
+    other = CompatRecord(**{**COMPAT.__dict__, "page_size": 16})
+    dec = DecodeTransferManager(LocalTransfer(), other, dst_layout, 0, 1, ["target.L0.K"], cfg=FAST)
+    try:
+        with pytest.raises(HandshakeError, match="page_size: 1 vs 16"):
+            dec.connect("b", [pre.rank_info(1, "127.0.0.1")])
+        # Decode asking for a buffer prefill lacks: refused by prefill, reason relayed.
+        dec2 = DecodeTransferManager(LocalTransfer(), COMPAT, dst_layout, 0, 1, ["draft.L0.K"], cfg=FAST)
+        with pytest.raises(HandshakeError, match="draft.L0.K"):
+            dec2.connect("b", [pre.rank_info(1, "127.0.0.1")])
+        dec2.close()
+    finally:
+        dec.close()
+        pre.close()
+
+
+def test_abort_both_ways(pair):
+    pre, dec, peers, src, dst = pair
+    pre.open(1)
+    dec.add_room(1, peers, dst_slots=[5, 6])
+    assert wait_for(lambda: pre.ready(1))
+    dec.abort(1, "client disconnected")
+    assert wait_for(lambda: pre.status(1)[0] is RoomState.FAILED)
+    assert "client disconnected" in pre.status(1)[1]
+    pre.open(2)
+    dec.add_room(2, peers, dst_slots=[7])
+    assert wait_for(lambda: pre.ready(2))
+    pre.abort(2, "prefill out of memory")
+    assert wait_for(lambda: dec.poll(2)[0] is RoomState.FAILED)
+    assert "prefill out of memory" in dec.poll(2)[2]
+
+
+def test_dead_prefill_fails_rooms_within_heartbeat_deadline(pair):
+    pre, dec, peers, src, dst = pair
+    pre.open(3)
+    dec.add_room(3, peers, dst_slots=[1, 2])
+    assert wait_for(lambda: pre.ready(3))
+    t0 = time.monotonic()
+    pre.close()  # no more heartbeats
+    assert wait_for(lambda: dec.poll(3)[0] is RoomState.FAILED, timeout=3)
+    assert time.monotonic() - t0 < 2.0
+    assert "stopped answering heartbeats" in dec.poll(3)[2]
+
+
+def test_dead_decode_fails_prefill_rooms(pair):
+    pre, dec, peers, src, dst = pair
+    pre.open(4)
+    dec.add_room(4, peers, dst_slots=[1])
+    assert wait_for(lambda: pre.ready(4))
+    dec.close()
+    assert wait_for(lambda: pre.status(4)[0] is RoomState.FAILED, timeout=3)
+    assert "stopped answering heartbeats" in pre.status(4)[1]
+
+
+class BrokenEngine(LocalTransfer):
+    def write(self, peer_session, batch):
+        raise TransferError("link down")
+
+
+def test_write_error_fails_the_room_on_both_sides():
+    src, src_layout = buffers()
+    dst, dst_layout = buffers(0.0)
+    pre = PrefillTransferManager(BrokenEngine(), COMPAT, src_layout, 0, None, cfg=FAST)
+    dec = DecodeTransferManager(LocalTransfer(), COMPAT, dst_layout, 0, 1, ["target.L0.K"], cfg=FAST)
+    try:
+        peers = dec.connect("b", [pre.rank_info(1, "127.0.0.1")])
+        pre.open(5)
+        dec.add_room(5, peers, dst_slots=[1, 2])
+        assert wait_for(lambda: pre.ready(5))
+        pre.send(5, [3, 4], 0)
+        pre.finish(5, P.HandoffRecord(5, "", 1))
+        assert wait_for(lambda: dec.poll(5)[0] is RoomState.FAILED)
+        assert "link down" in dec.poll(5)[2] and "link down" in pre.status(5)[1]
+        # The transfer thread survived: the next room works up to the write.
+        pre.open(6)
+        dec.add_room(6, peers, dst_slots=[1])
+        assert wait_for(lambda: pre.ready(6))
+    finally:
+        dec.close()
+        pre.close()
+
+
+def test_rooms_time_out_with_a_reason(pair):
+    pre, dec, peers, src, dst = pair
+    dec.add_room(9, peers, dst_slots=[1])  # prefill never gets the request
+    assert wait_for(lambda: bool(dec.expire()), timeout=4)
+    state, _, reason = dec.poll(9)
+    assert state is RoomState.FAILED and "waiting_for_input exceeded its 2 s deadline" in reason
