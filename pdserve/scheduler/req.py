@@ -55,6 +55,11 @@ class Req:
 
     finish: FinishReason | None = None
 
+    # Disaggregation: where the other half of this request lives (None: colocated)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
     # Speculative decoding
     draft_len: int = 0             # positions whose draft KV is written (<= kv_len)
     spec: Any = None               # state carried between rounds (speculative.eagle_worker.SpecState)

@@ -1,0 +1,311 @@
+"""The prefill and decode event loops of a disaggregated pair.
+
+PrefillScheduler: a request waits (``bootstrapping``) until decode has said
+where its KV goes; it is then prefilled like any other (radix cache on,
+chunked), and after every forward the KV of the positions it now holds is
+queued for transfer (a cached prefix is sent too: decode needs all of it).
+Once the first token is drawn, the handoff record follows the last write and
+the request waits (``inflight``) until the transfer succeeded or failed; only
+then are its pages released.  A prefill server never decodes.
+
+DecodeScheduler: a request reserves KV for its whole prompt plus growth (it
+queues, not fails, when the pool is full), asks the prefill server for the
+KV, and joins the running batch when the record arrives, with the first token
+from the record.  With speculative decoding the prefill server also sends the
+target features of every position and decode builds the draft state itself,
+exactly as a colocated prefill would.
+
+Speculative state across the split never travels as the sender's draft KV:
+decode always rebuilds it from features, so a plain prefill server can feed a
+speculative decode server (the first seed's configuration) and both layouts
+never need to agree on draft layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from pdserve.config import ServerArgs
+from pdserve.disagg import protocol as P
+from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, KVLayout, kv_head_range
+from pdserve.disagg.manager import DecodeTransferManager, PrefillTransferManager, _PrefillPeer
+from pdserve.disagg.rooms import RoomError, RoomState
+from pdserve.model.parallel import TPGroup
+from pdserve.model.runner import ModelRunner
+from pdserve.scheduler.req import FinishKind, FinishReason, Req
+from pdserve.scheduler.scheduler import Scheduler, StepOutput, _pages_for
+
+logger = logging.getLogger(__name__)
+
+
+def compat_record(sched: Scheduler) -> CompatRecord:
+    cfg, runner = sched.runner.config, sched.runner
+    spec = sched.spec
+    return CompatRecord(
+        protocol_version=PROTOCOL_VERSION, architecture=cfg.architecture, num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, kv_dtype=str(runner.kv_dtype).replace("torch.", ""),
+        page_size=sched.page_size, vocab_size=cfg.vocab_size,
+        speculative_algorithm=spec.algorithm if spec is not None else None,
+        feature_width=spec.config.feature_width if spec is not None else 0, tp_size=sched.tp.size)
+
+
+def kv_layout(sched: Scheduler) -> KVLayout:
+    """The named buffers of this rank: target KV (head-sharded) and, with a draft,
+    the target-feature pool (one row per slot)."""
+    heads = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
+    specs = []
+    for name, t in sched.kv_pool.buffers().items():
+        specs.append(BufferSpec(name, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size(), heads))
+    if sched.spec is not None:
+        f = sched.spec.features
+        specs.append(BufferSpec("features", f.data_ptr(), f.shape[0], f[0].numel() * f.element_size()))
+    return KVLayout(sched.page_size, tuple(specs))
+
+
+def register_buffers(engine: object, layout: KVLayout) -> None:
+    for b in layout.buffers:
+        engine.register(b.ptr, b.num_slots * b.slot_bytes)  # type: ignore[attr-defined]
+
+
+class PrefillScheduler(Scheduler):
+    def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
+                 engine: object, tp: TPGroup = TPGroup(), host: str = "127.0.0.1") -> None:
+        super().__init__(args, runner, decode_text, tp)
+        layout = kv_layout(self)
+        register_buffers(engine, layout)
+        ranges = [kv_head_range(runner.config.num_kv_heads, r, tp.size) for r in range(tp.size)]
+        self.manager = PrefillTransferManager(engine, compat_record(self), layout, tp.rank, ranges,  # type: ignore
+                                              host=host)
+        self.bootstrapping: list[Req] = []
+        self.inflight: list[Req] = []
+        self._sent: dict[int, int] = {}   # room -> prompt positions queued for transfer
+
+    def add(self, req: Req) -> None:
+        if req.bootstrap_room is None:
+            raise ValueError("bootstrap_room: a prefill server needs the request's bootstrap_room")
+        if req.pending_forks:
+            raise ValueError("n: parallel samples are not supported across prefill/decode yet")
+        try:
+            self.manager.open(req.bootstrap_room)
+        except RoomError as exc:
+            raise ValueError(f"bootstrap_room: {exc}") from None
+        self.bootstrapping.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.bootstrapping or self.inflight) or super().has_work
+
+    def step(self) -> StepOutput:
+        out = StepOutput()
+        self.manager.expire()
+        for req in list(self.bootstrapping):
+            state, reason = self.manager.status(req.bootstrap_room)  # type: ignore[arg-type]
+            if state is RoomState.FAILED:
+                self.bootstrapping.remove(req)
+                self._fail(req, reason, out)
+            elif self.manager.ready(req.bootstrap_room):  # type: ignore[arg-type]
+                self.bootstrapping.remove(req)
+                self.waiting.append(req)
+        self._check_inflight(out)
+        batch = self._schedule_prefill(out)
+        if batch is None:
+            return out
+        self.num_forward_steps += 1
+        if self.spec is None:
+            logits = self.runner.forward(batch.forward)
+        else:
+            logits, feats = self.runner.forward_features(batch.forward, self.spec.capture_layers)
+            assert feats is not None
+            self.spec.store_features(self._new_token_slots(batch.forward), feats)
+        for req in batch.reqs:
+            self._send_new_kv(req)
+        self._process(batch, logits, out)
+        for req in out.advanced:
+            if req.finish is None and req in self.running:
+                self.running.remove(req)
+                self._handoff(req)
+        # The first token is the prefill server's whole output; the request stays
+        # out of the client's view until decode has everything.
+        out.advanced = [r for r in out.advanced if r.finish is not None]
+        return out
+
+    def _check_finished(self, req: Req) -> FinishReason | None:
+        return None  # decode decides when a request ends; prefill only hands it off
+
+    def _send_new_kv(self, req: Req) -> None:
+        room = req.bootstrap_room
+        assert room is not None
+        start = self._sent.get(room, 0)
+        if req.kv_len > start:
+            slots = self.req_table.table[req.row, start: req.kv_len].tolist()
+            self.manager.send(room, slots, start)
+            self._sent[room] = req.kv_len
+
+    def _handoff(self, req: Req) -> None:
+        room = req.bootstrap_room
+        assert room is not None
+        record = P.HandoffRecord(
+            room, "", first_token=req.output_ids[0],
+            logprob=req.output_logprobs[0] if req.output_logprobs else None,
+            top_logprobs=tuple(tuple(x) for x in req.output_top_logprobs[0]) if req.output_top_logprobs else (),
+            cached_tokens=req.cached_tokens)
+        self.manager.finish(room, record)
+        self.inflight.append(req)
+
+    def _check_inflight(self, out: StepOutput) -> None:
+        for req in list(self.inflight):
+            state, reason = self.manager.status(req.bootstrap_room)  # type: ignore[arg-type]
+            if state is RoomState.SUCCESS:
+                self.inflight.remove(req)
+                out.finished += self._finish(req, FinishReason(FinishKind.LENGTH))
+                out.advanced.append(req)
+                self._forget(req)
+            elif state is RoomState.FAILED:
+                self.inflight.remove(req)
+                self._fail(req, reason, out)
+
+    def _fail(self, req: Req, reason: str | None, out: StepOutput) -> None:
+        out.finished += self._finish(req, FinishReason(FinishKind.ABORT, message=reason or "transfer failed"))
+        self._forget(req)
+
+    def _forget(self, req: Req) -> None:
+        self._sent.pop(req.bootstrap_room, None)  # type: ignore[arg-type]
+        self.manager.release(req.bootstrap_room)  # type: ignore[arg-type]
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> list[Req]:
+        out = []
+        for req in [r for r in self.bootstrapping + self.inflight if r.rid == rid]:
+            self.manager.abort(req.bootstrap_room, message)  # type: ignore[arg-type]
+            (self.bootstrapping if req in self.bootstrapping else self.inflight).remove(req)
+            out += self._finish(req, FinishReason(FinishKind.ABORT, message=message))
+            self._forget(req)
+        for req in super().abort(rid, message):
+            if req.bootstrap_room is not None:
+                self.manager.abort(req.bootstrap_room, message)
+                self._forget(req)
+            out.append(req)
+        return out
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+@dataclass
+class _Pending:
+    req: Req
+    peers: list[_PrefillPeer]
+
+
+class DecodeScheduler(Scheduler):
+    def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
+                 engine: object, fetch_ranks: Callable[[str], list[P.RankInfo]], tp: TPGroup = TPGroup(),
+                 host: str = "127.0.0.1") -> None:
+        super().__init__(args, runner, decode_text, tp)
+        layout = kv_layout(self)
+        register_buffers(engine, layout)
+        wanted = [n for n in layout.names]  # target KV, and features when drafting
+        self.manager = DecodeTransferManager(engine, compat_record(self), layout, tp.rank, tp.size,  # type: ignore
+                                             wanted, host=host)
+        self.fetch_ranks = fetch_ranks
+        self.queued: list[_Pending] = []      # waiting for KV slots
+        self.transferring: list[Req] = []
+
+    def add(self, req: Req) -> None:
+        if req.bootstrap_room is None or req.bootstrap_host is None:
+            raise ValueError("bootstrap_room: a decode server needs bootstrap_host / bootstrap_port / bootstrap_room")
+        if req.pending_forks:
+            raise ValueError("n: parallel samples are not supported across prefill/decode yet")
+        url = f"http://{req.bootstrap_host}:{req.bootstrap_port}"
+        peers = self.manager.connect(url, self.fetch_ranks(url))
+        self.queued.append(_Pending(req, peers))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queued or self.transferring) or super().has_work
+
+    def step(self) -> StepOutput:
+        out = StepOutput()
+        self.manager.expire()
+        self._admit_transfers(out)
+        self._check_transfers(out)
+        if self.running:
+            inner = super().step()
+            out.advanced += inner.advanced
+            out.finished += inner.finished
+        return out
+
+    def _admit_transfers(self, out: StepOutput) -> None:
+        """Reserve KV for queued requests (prompt + growth) and ask for their KV."""
+        ps = self.page_size
+        reserve = self._growth_reserve(self.running + self.transferring)
+        for pending in list(self.queued):
+            req = pending.req
+            n = len(req.prompt_ids)
+            need = _pages_for(n, ps)
+            growth = self._growth_reserve([req])
+            if self.req_table.num_free < 1 or need + growth > self.allocator.num_free + \
+                    self.cache.evictable_pages - reserve:
+                if not self.running and not self.transferring and need > self.allocator.capacity:
+                    self.queued.remove(pending)
+                    out.finished += self._finish(req, FinishReason(
+                        FinishKind.ABORT, message=f"request needs {need} KV pages but the pool has "
+                        f"{self.allocator.capacity} (raise --max-total-tokens)"))
+                    continue
+                break  # queue, do not fail: pages come back as requests finish
+            self.queued.remove(pending)
+            req.row = self.req_table.alloc()
+            self._assign_slots(req, 0, n)
+            # The slots are the request's from now on (released on any outcome);
+            # their KV becomes valid when the record arrives.
+            req.kv_len = n
+            reserve += growth
+            slots = self.req_table.table[req.row, :n].tolist()
+            self.manager.add_room(req.bootstrap_room, pending.peers, slots,  # type: ignore[arg-type]
+                                  want_features=self.spec is not None)
+            self.transferring.append(req)
+
+    def _check_transfers(self, out: StepOutput) -> None:
+        for req in list(self.transferring):
+            state, record, reason = self.manager.poll(req.bootstrap_room)  # type: ignore[arg-type]
+            if state is RoomState.SUCCESS and record is not None:
+                self.transferring.remove(req)
+                self.manager.release(req.bootstrap_room)  # type: ignore[arg-type]
+                self._commit(req, record, out)
+            elif state is RoomState.FAILED:
+                self.transferring.remove(req)
+                self.manager.release(req.bootstrap_room)  # type: ignore[arg-type]
+                out.finished += self._finish(req, FinishReason(FinishKind.ABORT, message=reason))
+
+    def _commit(self, req: Req, record: P.HandoffRecord, out: StepOutput) -> None:
+        req.cached_tokens = record.cached_tokens
+        self._append_token(req, record.first_token, record.logprob,
+                           [lp for lp, _ in record.top_logprobs] or None, [t for _, t in record.top_logprobs] or None)
+        out.advanced.append(req)
+        reason = self._check_finished(req)
+        if reason is not None:
+            out.finished += self._finish(req, reason)
+            return
+        if self.spec is not None:
+            req.draft_len = 0
+            self.spec.catch_up([req])
+        self.running.append(req)
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> list[Req]:
+        out = []
+        for pending in [p for p in self.queued if p.req.rid == rid]:
+            self.queued.remove(pending)
+            out += self._finish(pending.req, FinishReason(FinishKind.ABORT, message=message))
+        for req in [r for r in self.transferring if r.rid == rid]:
+            self.manager.abort(req.bootstrap_room, message)  # type: ignore[arg-type]
+            self.manager.release(req.bootstrap_room)  # type: ignore[arg-type]
+            self.transferring.remove(req)
+            out += self._finish(req, FinishReason(FinishKind.ABORT, message=message))
+        return out + super().abort(rid, message)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+__all__ = ["PrefillScheduler", "DecodeScheduler", "compat_record", "kv_layout"]
