@@ -166,13 +166,17 @@ class Curriculum:
     copy_max: int = COPY_STEPS[0]
     recall_max: int = RECALL_STEPS[0]
     long_row: int = 256  # length of the long (multi-turn) rows; grows with the curriculum
+    recall_share: float = TASK_PROBS["recall"]  # fraction of turns that are recall questions
 
     def done(self) -> bool:
         return self.copy_max == COPY_STEPS[-1] and self.recall_max == RECALL_STEPS[-1]
 
 
 def sample_turn(rng: random.Random, cur: Curriculum) -> dt.Example:
-    task = rng.choices(list(TASK_PROBS), weights=list(TASK_PROBS.values()))[0]
+    # Arithmetic and copy keep their ratio in whatever recall leaves.
+    rest = (1.0 - cur.recall_share) / (TASK_PROBS["arithmetic"] + TASK_PROBS["copy"])
+    weights = [TASK_PROBS["arithmetic"] * rest, TASK_PROBS["copy"] * rest, cur.recall_share]
+    task = rng.choices(["arithmetic", "copy", "recall"], weights=weights)[0]
     # 40% of the time draw from the frontier (hardest current band) so that
     # widening is fast; otherwise uniform over the whole current range, which
     # keeps short examples in the mix.
@@ -188,14 +192,35 @@ def turn_messages(ex: dt.Example) -> list[dict[str, str]]:
     ]
 
 
-def sample_conversation(rng: random.Random, cur: Curriculum, row_len: int) -> list[dict[str, str]]:
+def recall_followups(rng: random.Random, ex: dt.Example, count: int) -> list[dict[str, str]]:
+    """Training-only follow-up turns on a recall turn's list: ``What is k?`` -> its value.
+
+    Each is one more key lookup on a list the model already read, so recall's
+    sparse supervision (one lookup per list) gets denser.  The rule that serves
+    both formats is "the most recent ``k=`` wins": the question's own list, or
+    for a follow-up the previous turn's.  Never a held-out question text.
+    """
+    pairs = dict(p.split("=") for p in ex.question[len("Remember: "): ex.question.index(". What is")].split(", "))
+    out: list[dict[str, str]] = []
+    for key in rng.sample(sorted(pairs), min(count, len(pairs))):
+        q = f"What is {key}?"
+        if not dt.is_heldout(q):
+            out += [{"role": "user", "content": q}, {"role": "assistant", "content": pairs[key], "task": "recall"}]
+    return out
+
+
+def sample_conversation(rng: random.Random, cur: Curriculum, row_len: int,
+                        followup_prob: float = 0.0) -> list[dict[str, str]]:
     """A conversation that fills up to ``row_len`` tokens (at least one turn)."""
     msgs: list[dict[str, str]] = []
     if rng.random() < 0.2:
         msgs.append({"role": "system", "content": rng.choice(dt.SYSTEM_PROMPTS)})
     length = 1 + sum(len(m["content"]) + 2 for m in msgs)
     while True:
-        turn = turn_messages(sample_turn(rng, cur))
+        ex = sample_turn(rng, cur)
+        turn = turn_messages(ex)
+        if ex.task == "recall" and followup_prob > 0 and rng.random() < followup_prob:
+            turn += recall_followups(rng, ex, rng.randint(1, 3))
         n = sum(len(m["content"]) + 2 for m in turn)
         if length + n > row_len and any(m["role"] == "assistant" for m in msgs):
             return msgs
@@ -204,10 +229,11 @@ def sample_conversation(rng: random.Random, cur: Curriculum, row_len: int) -> li
 
 
 def make_batch(
-    rng: random.Random, cur: Curriculum, row_len: int, tokens_per_step: int, key_weight: float = 1.0
+    rng: random.Random, cur: Curriculum, row_len: int, tokens_per_step: int, key_weight: float = 1.0,
+    followup_prob: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[str, int, int]]]]:
     rows = max(1, tokens_per_step // row_len)
-    encs = [encode(sample_conversation(rng, cur, row_len), key_weight) for _ in range(rows)]
+    encs = [encode(sample_conversation(rng, cur, row_len, followup_prob), key_weight) for _ in range(rows)]
     width = max(len(e[0]) for e in encs)
     ids = torch.full((rows, width), PAD, dtype=torch.long)
     wts = torch.zeros((rows, width))
@@ -479,6 +505,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--recall-key-weight", type=float, default=4.0,
                    help="loss weight of a recall answer's first character (relative to the others)")
     p.add_argument("--recall-key-weight-from", type=int, default=1400, help="step from which it applies")
+    # Likewise switched on at step 2073: follow-up questions on a recall turn's list.
+    p.add_argument("--recall-followup-prob", type=float, default=0.9,
+                   help="chance that a recall turn gets 1-3 follow-up questions on its list")
+    p.add_argument("--recall-followups-from", type=int, default=2073, help="step from which they are added")
+    p.add_argument("--recall-share", type=float, default=0.6, help="fraction of recall turns (from the step below)")
+    p.add_argument("--recall-share-from", type=int, default=2297, help="step from which it applies")
     p.add_argument("--ckpt-minutes", type=float, default=5.0)
     p.add_argument("--final-eval-n", type=int, default=300, help="questions per task for the exported README")
     p.add_argument("--hidden", type=int, default=192)
@@ -586,7 +618,10 @@ def main() -> None:
         # benchmark) and long multi-turn rows (long prompts for serving).
         row = args.short_row if step % 2 == 0 else cur.long_row
         key_weight = args.recall_key_weight if step >= args.recall_key_weight_from else 1.0
-        ids, wts, spans = make_batch(rng, cur, row, args.tokens_per_step, key_weight)
+        followups = args.recall_followup_prob if step >= args.recall_followups_from else 0.0
+        if step >= args.recall_share_from:
+            cur.recall_share = args.recall_share
+        ids, wts, spans = make_batch(rng, cur, row, args.tokens_per_step, key_weight, followups)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1]

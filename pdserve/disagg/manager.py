@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import zmq
 
 from pdserve.disagg import protocol as P
-from pdserve.disagg.layout import (CompatRecord, HandshakeError, HeadRange, KVLayout, TransferPlan,
+from pdserve.disagg.layout import (BufferSpec, CompatRecord, HandshakeError, HeadRange, KVLayout, TransferPlan,
                                    check_compatible, plan_transfer)
 from pdserve.disagg.rooms import Deadlines, RoomState, RoomTable
 from pdserve.disagg.transfer import TransferEngine, TransferError
@@ -162,8 +162,13 @@ class _PrefillRoom:
 class PrefillTransferManager:
     def __init__(self, engine: TransferEngine, compat: CompatRecord, layout: KVLayout, tp_rank: int,
                  head_ranges: Sequence[HeadRange] | None, host: str = "127.0.0.1",
-                 cfg: LinkConfig = LinkConfig()) -> None:
+                 cfg: LinkConfig = LinkConfig(),
+                 provide_features: Callable[[tuple[int, ...], int], BufferSpec] | None = None) -> None:
+        """``provide_features(layers, width)``: called at a handshake that needs target
+        features this side does not publish; returns the (registered) buffer it will
+        fill, or raises HandshakeError."""
         self.engine, self.compat, self.layout = engine, compat, layout
+        self._provide_features = provide_features
         self.tp_rank, self.head_ranges = tp_rank, list(head_ranges) if head_ranges else None
         self.rooms = RoomTable(cfg.deadlines)
         self._peers: dict[str, _DecodePeer] = {}
@@ -201,9 +206,7 @@ class PrefillTransferManager:
             plan = plan_transfer(self.layout, hs.layout, wanted, self.tp_rank, self.head_ranges)
             feature_plan = None
             if "features" in hs.wanted:
-                if "features" not in self.layout.by_name():
-                    raise HandshakeError("decode needs target features but this prefill server captures none")
-                feature_plan = plan_transfer(self.layout, hs.layout, ["features"])
+                feature_plan = self._feature_plan(hs)
         except HandshakeError as exc:
             self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, False, str(exc)))
             return
@@ -212,6 +215,17 @@ class PrefillTransferManager:
             self._by_addr[hs.control_addr] = hs.decode_id
         self._link.watch(hs.control_addr)
         self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, True))
+
+    def _feature_plan(self, hs: P.Handshake) -> TransferPlan:
+        dst = hs.layout.by_name().get("features")
+        if dst is None:
+            raise HandshakeError("decode asks for features but publishes no features buffer")
+        src = self.layout.by_name().get("features")
+        if src is None:
+            if self._provide_features is None:
+                raise HandshakeError("decode needs target features but this prefill server captures none")
+            src = self._provide_features(tuple(hs.feature_layers), dst.slot_bytes)
+        return plan_transfer(KVLayout(self.layout.page_size, (src,)), hs.layout, ["features"])
 
     def _transfer_request(self, req: P.TransferRequest) -> None:
         with self._lock:
@@ -402,8 +416,10 @@ class _DecodeRoom:
 
 class DecodeTransferManager:
     def __init__(self, engine: TransferEngine, compat: CompatRecord, layout: KVLayout, tp_rank: int, tp_size: int,
-                 wanted: Sequence[str], host: str = "127.0.0.1", cfg: LinkConfig = LinkConfig()) -> None:
+                 wanted: Sequence[str], host: str = "127.0.0.1", cfg: LinkConfig = LinkConfig(),
+                 feature_layers: tuple[int, ...] = ()) -> None:
         self.engine, self.compat, self.layout = engine, compat, layout
+        self.feature_layers = feature_layers
         self.tp_rank, self.tp_size, self.wanted = tp_rank, tp_size, tuple(wanted)
         self.cfg = cfg
         self.decode_id = f"decode-{uuid.uuid4().hex[:12]}-r{tp_rank}"
@@ -428,7 +444,8 @@ class DecodeTransferManager:
             with self._lock:
                 self._handshakes[addr] = event
             self._link.send(addr, P.Handshake(self.decode_id, self.tp_rank, self.tp_size, self.engine.session_id,
-                                              self._link.addr, self.compat, self.layout, self.wanted))
+                                              self._link.addr, self.compat, self.layout, self.wanted,
+                                              self.feature_layers))
             if not event.wait(self.cfg.handshake_timeout_s):
                 raise HandshakeError(f"prefill rank {info.tp_rank} at {addr} did not answer the handshake within "
                                      f"{self.cfg.handshake_timeout_s:g} s")

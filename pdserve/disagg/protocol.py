@@ -47,6 +47,9 @@ class Handshake:
     compat: CompatRecord
     layout: KVLayout
     wanted: tuple[str, ...]   # buffer names decode needs written (the rest it fills itself or ignores)
+    # The per-position target feature decode's draft reads ("features" in wanted):
+    # the residual streams entering these target layers, or () = the final normed hidden state.
+    feature_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,16 @@ never need to agree on draft layers.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from pdserve.config import ServerArgs
 from pdserve.disagg import protocol as P
-from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, KVLayout, kv_head_range
+from pdserve.disagg.layout import (PROTOCOL_VERSION, BufferSpec, CompatRecord, HandshakeError, KVLayout,
+                                   kv_head_range)
 from pdserve.disagg.manager import DecodeTransferManager, PrefillTransferManager, _PrefillPeer
 from pdserve.disagg.rooms import RoomError, RoomState
 from pdserve.model.parallel import TPGroup
@@ -51,14 +55,14 @@ def compat_record(sched: Scheduler) -> CompatRecord:
         feature_width=spec.config.feature_width if spec is not None else 0, tp_size=sched.tp.size)
 
 
-def kv_layout(sched: Scheduler) -> KVLayout:
+def kv_layout(sched: Scheduler, with_features: bool) -> KVLayout:
     """The named buffers of this rank: target KV (head-sharded) and, with a draft,
     the target-feature pool (one row per slot)."""
     heads = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
     specs = []
     for name, t in sched.kv_pool.buffers().items():
         specs.append(BufferSpec(name, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size(), heads))
-    if sched.spec is not None:
+    if with_features and sched.spec is not None:
         f = sched.spec.features
         specs.append(BufferSpec("features", f.data_ptr(), f.shape[0], f[0].numel() * f.element_size()))
     return KVLayout(sched.page_size, tuple(specs))
@@ -73,14 +77,51 @@ class PrefillScheduler(Scheduler):
     def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
                  engine: object, tp: TPGroup = TPGroup(), host: str = "127.0.0.1") -> None:
         super().__init__(args, runner, decode_text, tp)
-        layout = kv_layout(self)
+        # Features are published per decode peer (provide_features), not up front:
+        # which layers they hold is the decode draft's choice.
+        layout = kv_layout(self, with_features=False)
         register_buffers(engine, layout)
+        self.engine = engine
+        self._capture: tuple[tuple[int, ...], torch.Tensor] | None = None  # a plain prefill's feature pool
+        self._capture_lock = threading.Lock()
         ranges = [kv_head_range(runner.config.num_kv_heads, r, tp.size) for r in range(tp.size)]
         self.manager = PrefillTransferManager(engine, compat_record(self), layout, tp.rank, ranges,  # type: ignore
-                                              host=host)
+                                              host=host, provide_features=self._provide_features)
         self.bootstrapping: list[Req] = []
         self.inflight: list[Req] = []
         self._sent: dict[int, int] = {}   # room -> prompt positions queued for transfer
+
+    def _provide_features(self, layers: tuple[int, ...], slot_bytes: int) -> BufferSpec:
+        """The feature pool a decode peer's draft reads (called at its handshake, on the
+        transfer manager's thread). A speculative prefill offers its own when the layers
+        match; a plain prefill allocates one on first demand and then captures it in
+        every forward."""
+        cfg = self.runner.config
+        with self._capture_lock:
+            if self.spec is not None:
+                mine = self.spec.capture_layers
+                if tuple(layers) != tuple(mine):
+                    raise HandshakeError(f"decode's draft reads target features {list(layers) or 'final'}, this "
+                                         f"prefill server's draft captures {list(mine) or 'final'}")
+                pool = self.spec.features
+            elif self._capture is not None:
+                if tuple(layers) != self._capture[0]:
+                    raise HandshakeError(f"this prefill server already captures target features "
+                                         f"{list(self._capture[0]) or 'final'} for another decode server; "
+                                         f"{list(layers) or 'final'} asked")
+                pool = self._capture[1]
+            else:
+                if any(not 1 <= i < cfg.num_layers for i in layers):
+                    raise HandshakeError(f"decode asks for target layers {list(layers)} of a "
+                                         f"{cfg.num_layers}-layer model")
+                width = cfg.hidden_size * max(1, len(layers))
+                pool = torch.zeros(self.kv_pool.num_slots, width, dtype=self.runner.dtype, device=self.device)
+                self.engine.register(pool.data_ptr(), pool.numel() * pool.element_size())  # type: ignore
+                self._capture = (tuple(layers), pool)
+            row = pool[0].numel() * pool.element_size()
+            if row != slot_bytes:
+                raise HandshakeError(f"features: prefill rows are {row} bytes, decode's {slot_bytes}")
+            return BufferSpec("features", pool.data_ptr(), pool.shape[0], row)
 
     def add(self, req: Req) -> None:
         if req.bootstrap_room is None:
@@ -113,12 +154,13 @@ class PrefillScheduler(Scheduler):
         if batch is None:
             return out
         self.num_forward_steps += 1
-        if self.spec is None:
+        capture = (self.spec.capture_layers, self.spec.features) if self.spec is not None else self._capture
+        if capture is None:
             logits = self.runner.forward(batch.forward)
         else:
-            logits, feats = self.runner.forward_features(batch.forward, self.spec.capture_layers)
+            logits, feats = self.runner.forward_features(batch.forward, capture[0])
             assert feats is not None
-            self.spec.store_features(self._new_token_slots(batch.forward), feats)
+            capture[1][self._new_token_slots(batch.forward)] = feats.to(capture[1].dtype)
         for req in batch.reqs:
             self._send_new_kv(req)
         self._process(batch, logits, out)
@@ -203,11 +245,12 @@ class DecodeScheduler(Scheduler):
                  engine: object, fetch_ranks: Callable[[str], list[P.RankInfo]], tp: TPGroup = TPGroup(),
                  host: str = "127.0.0.1") -> None:
         super().__init__(args, runner, decode_text, tp)
-        layout = kv_layout(self)
+        layout = kv_layout(self, with_features=True)
         register_buffers(engine, layout)
         wanted = [n for n in layout.names]  # target KV, and features when drafting
         self.manager = DecodeTransferManager(engine, compat_record(self), layout, tp.rank, tp.size,  # type: ignore
-                                             wanted, host=host)
+                                             wanted, host=host,
+                                             feature_layers=self.spec.capture_layers if self.spec else ())
         self.fetch_ranks = fetch_ranks
         self.queued: list[_Pending] = []      # waiting for KV slots
         self.transferring: list[Req] = []
