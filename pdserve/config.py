@@ -25,6 +25,8 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("torch_native", "flashinfer")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("mooncake", "nixl")
 
 
 def flag(name: str) -> str:
@@ -65,6 +67,16 @@ class ServerArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # Prefill/decode disaggregation (SGLang's flags; deadlines in seconds)
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_ib_device: str | None = None
+    disaggregation_bootstrap_timeout: float = 30.0
+    disaggregation_waiting_timeout: float = 120.0
+    disaggregation_transfer_timeout: float = 60.0
+    disaggregation_heartbeat_interval: float = 1.0
+    disaggregation_heartbeat_misses: int = 3
     # HTTP server
     host: str = "127.0.0.1"
     port: int = 30000
@@ -127,6 +139,28 @@ class ServerArgs:
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
             raise bad("tokenizer_path", f"{self.tokenizer_path!r} is not a directory")
         self._validate_speculative(bad)
+        self._validate_disaggregation(bad)
+
+    def _validate_disaggregation(self, bad: Any) -> None:
+        for name, choices in (("disaggregation_mode", DISAGGREGATION_MODES),
+                              ("disaggregation_transfer_backend", TRANSFER_BACKENDS)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise bad(name, f"invalid choice {value!r} (choose from {', '.join(choices)})")
+        if not 0 <= self.disaggregation_bootstrap_port <= 65535:
+            raise bad("disaggregation_bootstrap_port", f"must be in [0, 65535], got {self.disaggregation_bootstrap_port}")
+        for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
+                     "disaggregation_transfer_timeout", "disaggregation_heartbeat_interval"):
+            if getattr(self, name) <= 0:
+                raise bad(name, f"must be > 0, got {getattr(self, name)}")
+        if self.disaggregation_heartbeat_misses < 1:
+            raise bad("disaggregation_heartbeat_misses", f"must be >= 1, got {self.disaggregation_heartbeat_misses}")
+        if self.disaggregation_mode == "null":
+            return
+        if self.disaggregation_transfer_backend == "nixl":
+            raise bad("disaggregation_transfer_backend", "nixl is not supported yet; use mooncake")
+        if self.tp_size > 1:
+            raise bad("disaggregation_mode", "prefill/decode servers with --tp-size > 1 are not supported yet")
 
     def _validate_speculative(self, bad: Any) -> None:
         shape = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
@@ -238,6 +272,7 @@ _FIELD_CHOICES = {
     "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+    "disaggregation_mode": DISAGGREGATION_MODES, "disaggregation_transfer_backend": TRANSFER_BACKENDS,
 }
 _TYPE_CHECKS: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),

@@ -34,7 +34,8 @@ from pdserve.config import ServerArgs
 from pdserve.disagg import protocol as P
 from pdserve.disagg.layout import (PROTOCOL_VERSION, BufferSpec, CompatRecord, HandshakeError, KVLayout,
                                    kv_head_range)
-from pdserve.disagg.manager import DecodeTransferManager, PrefillTransferManager, _PrefillPeer
+from pdserve.disagg.bootstrap import BootstrapServer
+from pdserve.disagg.manager import DecodeTransferManager, LinkConfig, PrefillTransferManager, _PrefillPeer
 from pdserve.disagg.rooms import RoomError, RoomState
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
@@ -75,8 +76,10 @@ def register_buffers(engine: object, layout: KVLayout) -> None:
 
 class PrefillScheduler(Scheduler):
     def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
-                 engine: object, tp: TPGroup = TPGroup(), host: str = "127.0.0.1") -> None:
+                 engine: object, tp: TPGroup = TPGroup(), host: str = "127.0.0.1",
+                 link: LinkConfig = LinkConfig()) -> None:
         super().__init__(args, runner, decode_text, tp)
+        self.bootstrap: BootstrapServer | None = None  # rank 0 of a prefill server runs the registry
         # Features are published per decode peer (provide_features), not up front:
         # which layers they hold is the decode draft's choice.
         layout = kv_layout(self, with_features=False)
@@ -86,7 +89,7 @@ class PrefillScheduler(Scheduler):
         self._capture_lock = threading.Lock()
         ranges = [kv_head_range(runner.config.num_kv_heads, r, tp.size) for r in range(tp.size)]
         self.manager = PrefillTransferManager(engine, compat_record(self), layout, tp.rank, ranges,  # type: ignore
-                                              host=host, provide_features=self._provide_features)
+                                              host=host, cfg=link, provide_features=self._provide_features)
         self.bootstrapping: list[Req] = []
         self.inflight: list[Req] = []
         self._sent: dict[int, int] = {}   # room -> prompt positions queued for transfer
@@ -232,6 +235,8 @@ class PrefillScheduler(Scheduler):
 
     def close(self) -> None:
         self.manager.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()
 
 
 @dataclass
@@ -243,13 +248,13 @@ class _Pending:
 class DecodeScheduler(Scheduler):
     def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
                  engine: object, fetch_ranks: Callable[[str], list[P.RankInfo]], tp: TPGroup = TPGroup(),
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", link: LinkConfig = LinkConfig()) -> None:
         super().__init__(args, runner, decode_text, tp)
         layout = kv_layout(self, with_features=True)
         register_buffers(engine, layout)
         wanted = [n for n in layout.names]  # target KV, and features when drafting
         self.manager = DecodeTransferManager(engine, compat_record(self), layout, tp.rank, tp.size,  # type: ignore
-                                             wanted, host=host,
+                                             wanted, host=host, cfg=link,
                                              feature_layers=self.spec.capture_layers if self.spec else ())
         self.fetch_ranks = fetch_ranks
         self.queued: list[_Pending] = []      # waiting for KV slots

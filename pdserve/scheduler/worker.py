@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -23,7 +24,7 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.model.parallel import TPGroup, init_tp_group
 from pdserve.model.runner import ModelRunner
-from pdserve.scheduler.req import Req
+from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.tokenizer import load_tokenizer
 
@@ -89,7 +90,38 @@ def build_scheduler(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, tp: 
         return tokenizer.decode(ids, skip_special_tokens=False)
 
     runner = ModelRunner(args, model_dir, tp)
-    return Scheduler(args, runner, decode_text, tp)
+    if args.disaggregation_mode == "null":
+        return Scheduler(args, runner, decode_text, tp)
+    return build_disagg_scheduler(args, runner, decode_text, tp)
+
+
+def build_disagg_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
+                           tp: TPGroup) -> Scheduler:
+    """A prefill or decode scheduler with its transfer engine; a prefill server's rank 0
+    also runs the bootstrap registry (on --disaggregation-bootstrap-port) and registers."""
+    from pdserve.disagg.bootstrap import BootstrapServer, fetch_ranks, register_rank
+    from pdserve.disagg.manager import LinkConfig
+    from pdserve.disagg.rooms import Deadlines
+    from pdserve.disagg.transfer import MooncakeTransfer
+    from pdserve.scheduler.disagg import DecodeScheduler, PrefillScheduler
+
+    link = LinkConfig(
+        heartbeat_interval_s=args.disaggregation_heartbeat_interval,
+        heartbeat_misses=args.disaggregation_heartbeat_misses,
+        handshake_timeout_s=args.disaggregation_bootstrap_timeout,
+        deadlines=Deadlines(args.disaggregation_bootstrap_timeout, args.disaggregation_waiting_timeout,
+                            args.disaggregation_transfer_timeout))
+    engine = MooncakeTransfer(args.host, args.disaggregation_ib_device or "")
+    if args.disaggregation_mode == "decode":
+        return DecodeScheduler(args, runner, decode_text, engine,
+                               lambda url: fetch_ranks(url, args.disaggregation_bootstrap_timeout), tp,
+                               host=args.host, link=link)
+    sched = PrefillScheduler(args, runner, decode_text, engine, tp, host=args.host, link=link)
+    if tp.rank == 0:
+        sched.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+    register_rank(f"http://{args.host}:{args.disaggregation_bootstrap_port}",
+                  sched.manager.rank_info(tp.size, args.host))
+    return sched
 
 
 def free_tcp_port() -> int:
@@ -132,7 +164,13 @@ def serve(sched: Scheduler, tp: TPGroup, io: RankIO | None) -> None:
             break
         out = StepOutput()
         for req in cmd.add:
-            sched.add(req)
+            try:
+                sched.add(req)
+            except (ValueError, RuntimeError) as exc:  # e.g. a bad room, an unreachable prefill server
+                for sample in [req] + req.pending_forks:
+                    sample.finish = FinishReason(FinishKind.ABORT, message=str(exc))
+                    out.finished.append(sample)
+                req.pending_forks = []
         for rid in cmd.abort:
             out.finished += sched.abort(rid)
         if cmd.flush_cache and io is not None:
@@ -141,11 +179,14 @@ def serve(sched: Scheduler, tp: TPGroup, io: RankIO | None) -> None:
             sched.flush_cache()
         if cmd.get_state and io is not None:
             io.reply("state", sched.state())
+        forwards = sched.num_forward_steps
         step = sched.step()
         out.advanced += step.advanced
         out.finished += step.finished
         if io is not None and (out.advanced or out.finished):
             io.publish(out)
+        if sched.has_work and sched.num_forward_steps == forwards and not out.advanced and not out.finished:
+            time.sleep(0.001)  # only waiting on transfers: do not spin
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

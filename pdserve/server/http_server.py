@@ -91,6 +91,10 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        if args.disaggregation_mode != "null":
+            # Half a server cannot generate alone; the scheduler's liveness is the signal.
+            await manager.get_state()
+            return Response(status_code=200)
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         job = await manager.submit([tokenizer("ping")["input_ids"] or [0]], [params], False, 0)
         await manager.wait(job)
@@ -135,6 +139,37 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         # SGLang answers 200 whether or not the request was still running.
         return JSONResponse({"rid": rid, "aborted": found})
 
+    # ---- disaggregation fields ---------------------------------------------------------
+    def bootstrap_of(req: Any, n_prompts: int) -> list[tuple[str, int, int]] | None:
+        """Per prompt (host, port, room) for a prefill/decode server; None when colocated."""
+        given = [req.bootstrap_host, req.bootstrap_port, req.bootstrap_room]
+        if args.disaggregation_mode == "null":
+            return None  # a colocated server ignores them, as SGLang's does
+        if req.bootstrap_room is None or req.bootstrap_host is None:
+            raise ApiError(f"bootstrap_room: a {args.disaggregation_mode} server needs bootstrap_host and "
+                           "bootstrap_room (send requests through a PD router)", "bootstrap_room")
+
+        def per_prompt(value: Any, name: str) -> list[Any]:
+            if isinstance(value, list):
+                if len(value) != n_prompts:
+                    raise ApiError(f"{name}: {len(value)} values for {n_prompts} prompts (one per prompt; "
+                                   "parallel samples across prefill/decode are not supported yet)", name)
+                return value
+            return [value] * n_prompts
+        hosts, ports, rooms = (per_prompt(v, n) for v, n in zip(
+            given, ("bootstrap_host", "bootstrap_port", "bootstrap_room")))
+        if n_prompts > 1 and not isinstance(req.bootstrap_room, list):
+            raise ApiError("bootstrap_room: a batch needs one room per prompt", "bootstrap_room")
+        out = []
+        for h, p, r in zip(hosts, ports, rooms):
+            if not 0 <= r < 2**63:
+                raise ApiError(f"bootstrap_room: must be in [0, 2^63), got {r}", "bootstrap_room")
+            port = p if p is not None else args.disaggregation_bootstrap_port
+            if not 0 < port <= 65535:
+                raise ApiError(f"bootstrap_port: must be in [1, 65535], got {port}", "bootstrap_port")
+            out.append((h, port, r))
+        return out
+
     # ---- native /generate -----------------------------------------------------------
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> Response:
@@ -145,7 +180,8 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
             rids = None
             if req.rid is not None:
                 rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
-            job = await manager.submit(prompts, params, req.return_logprob, req.top_logprobs_num, rids)
+            job = await manager.submit(prompts, params, req.return_logprob, req.top_logprobs_num, rids,
+                                       bootstrap_of(req, len(prompts)))
         except ValueError as exc:
             raise from_value_error(exc) from None
         if req.stream:
@@ -246,7 +282,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         top = req.logprobs or 0
         try:
             job = await manager.submit(prompts, params, req.logprobs is not None, top,
-                                       [req.rid] if req.rid else None)
+                                       [req.rid] if req.rid else None, bootstrap_of(req, len(prompts)))
         except ValueError as exc:
             raise from_value_error(ValueError(str(exc).replace("max_new_tokens", "max_tokens"))) from None
         cid = f"cmpl-{job.states[0].rid}"
@@ -329,7 +365,8 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
                           req.logprobs, max_field)
         top = req.top_logprobs or 0
         try:
-            job = await manager.submit([ids], [params], req.logprobs, top, [req.rid] if req.rid else None)
+            job = await manager.submit([ids], [params], req.logprobs, top, [req.rid] if req.rid else None,
+                                       bootstrap_of(req, 1))
         except ValueError as exc:
             raise from_value_error(ValueError(str(exc).replace("max_new_tokens", max_field))) from None
         cid = f"chatcmpl-{job.states[0].rid}"

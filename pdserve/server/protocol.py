@@ -70,6 +70,10 @@ class SGLangExtensions(_Strict):
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     rid: Optional[str] = None
+    # Prefill/decode disaggregation (set by a PD router; per prompt when lists)
+    bootstrap_host: Optional[Union[str, list[str]]] = None
+    bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
+    bootstrap_room: Optional[Union[int, list[int]]] = None
     # Accepted and without effect on the tokens (SGLang's router sends them).
     separate_reasoning: Optional[bool] = None
     stream_reasoning: Optional[bool] = None
@@ -168,6 +172,10 @@ class GenerateRequest(_Strict):
     logprob_start_len: Optional[int] = None
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
+    # Prefill/decode disaggregation (set by a PD router; per prompt when lists)
+    bootstrap_host: Optional[Union[str, list[str]]] = None
+    bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
+    bootstrap_room: Optional[Union[int, list[int]]] = None
 
 
 def refuse_unsupported(req: BaseModel) -> None:

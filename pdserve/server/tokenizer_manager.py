@@ -117,7 +117,9 @@ class TokenizerManager:
             raise ServerUnavailable(self.dead_reason)
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], return_logprob: bool,
-                     top_logprobs_num: int, rids: list[str] | None = None) -> Job:
+                     top_logprobs_num: int, rids: list[str] | None = None,
+                     bootstrap: list[tuple[str, int, int]] | None = None) -> Job:
+        """``bootstrap``: per prompt (host, port, room) of its prefill server (PD mode)."""
         """Validate and send every prompt. Raises ValueError on bad input."""
         self.check_alive()
         b = self.builder
@@ -136,6 +138,8 @@ class TokenizerManager:
         states, heads = [], []
         for i, (ids, p) in enumerate(zip(prompts, params)):
             group = b.group(ids, p, return_logprob, top_logprobs_num, rid=rids[i] if rids else None)
+            if bootstrap is not None:
+                group[0].bootstrap_host, group[0].bootstrap_port, group[0].bootstrap_room = bootstrap[i]
             state = RequestState(group[0].rid, ids, p, [SampleResult(j) for j in range(p.n)], queue)
             states.append(state)
             heads.append(group[0])
