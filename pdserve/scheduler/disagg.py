@@ -92,7 +92,7 @@ class PrefillScheduler(Scheduler):
                                               host=host, cfg=link, provide_features=self._provide_features)
         self.bootstrapping: list[Req] = []
         self.inflight: list[Req] = []
-        self._sent: dict[int, int] = {}   # room -> prompt positions queued for transfer
+        self._sent: dict[int, int] = {}   # live room -> prompt positions queued for transfer
 
     def _provide_features(self, layers: tuple[int, ...], slot_bytes: int) -> BufferSpec:
         """The feature pool a decode peer's draft reads (called at its handshake, on the
@@ -131,10 +131,13 @@ class PrefillScheduler(Scheduler):
             raise ValueError("bootstrap_room: a prefill server needs the request's bootstrap_room")
         if req.pending_forks:
             raise ValueError("n: parallel samples are not supported across prefill/decode yet")
+        if req.bootstrap_room in self._sent:
+            raise ValueError(f"bootstrap_room: {req.bootstrap_room} is already in use by a live request")
         try:
             self.manager.open(req.bootstrap_room)
         except RoomError as exc:
             raise ValueError(f"bootstrap_room: {exc}") from None
+        self._sent[req.bootstrap_room] = 0
         self.bootstrapping.append(req)
 
     @property
@@ -232,6 +235,17 @@ class PrefillScheduler(Scheduler):
                 self._forget(req)
             out.append(req)
         return out
+
+    def state(self) -> dict[str, object]:
+        st = super().state()
+        st["num_waiting_reqs"] += len(self.bootstrapping)  # type: ignore[operator]
+        st["num_running_reqs"] += len(self.inflight)  # type: ignore[operator]
+        st["disaggregation"] = {
+            "mode": "prefill", "bootstrapping": len(self.bootstrapping), "inflight": len(self.inflight),
+            "rooms": self.manager.rooms.counts(), "failures": dict(self.manager.rooms.failures),
+            "transfer_bytes": self.manager.bytes_sent, "transfer_seconds": self.manager.transfer_seconds,
+        }
+        return st
 
     def close(self) -> None:
         self.manager.close()
@@ -351,6 +365,16 @@ class DecodeScheduler(Scheduler):
             self.transferring.remove(req)
             out += self._finish(req, FinishReason(FinishKind.ABORT, message=message))
         return out + super().abort(rid, message)
+
+    def state(self) -> dict[str, object]:
+        st = super().state()
+        st["num_waiting_reqs"] += len(self.queued)  # type: ignore[operator]
+        st["num_running_reqs"] += len(self.transferring)  # type: ignore[operator]
+        st["disaggregation"] = {
+            "mode": "decode", "queued": len(self.queued), "transferring": len(self.transferring),
+            "rooms": self.manager.rooms.counts(), "failures": dict(self.manager.rooms.failures),
+        }
+        return st
 
     def close(self) -> None:
         self.manager.close()

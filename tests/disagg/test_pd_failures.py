@@ -1,0 +1,117 @@
+"""Failures across a real prefill/decode pair: each reaches the client with a reason, in
+seconds not minutes, and leaves both pools full."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from pdserve.testing import build_random_model
+from tests.server.conftest import ServerProcess, free_port
+
+PARAMS = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return build_random_model(tmp_path_factory.mktemp("pdfail") / "t", "llama", num_layers=2)
+
+
+def start_pair(target, boot: int):
+    fast = ["--disaggregation-heartbeat-interval", "0.2", "--disaggregation-heartbeat-misses", "3",
+            "--disaggregation-bootstrap-timeout", "3", "--disaggregation-waiting-timeout", "20"]
+    p = ServerProcess(target, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot), *fast)
+    d = ServerProcess(target, "--disaggregation-mode", "decode", *fast)
+    return p, d
+
+
+def body(room: int, boot: int) -> dict:
+    return {"input_ids": [5, 6, 7, 8, 9], "sampling_params": PARAMS, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": boot, "bootstrap_room": room}
+
+
+def post_async(url: str, payload: dict, box: dict) -> threading.Thread:
+    def run():
+        t0 = time.monotonic()
+        try:
+            box["response"] = httpx.post(url, json=payload, timeout=120)
+        except httpx.HTTPError as exc:
+            box["error"] = exc
+        box["seconds"] = time.monotonic() - t0
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def disagg_state(s: ServerProcess) -> dict:
+    return s.state()["disaggregation"]
+
+
+def wait_until(pred, timeout=20.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+def abort_message(r: httpx.Response) -> str:
+    data = r.json()
+    if "error" in data:
+        return data["error"]["message"]
+    assert data["meta_info"]["finish_reason"]["type"] == "abort", data
+    return data["meta_info"]["finish_reason"]["message"]
+
+
+def test_prefill_death_fails_waiting_decode_rooms_within_heartbeats(target):
+    boot = free_port()
+    p, d = start_pair(target, boot)
+    try:
+        # Warm the pair up (handshake), then a request only decode knows about waits for prefill.
+        ok = {}
+        t1, t2 = post_async(p.url + "/generate", body(1, boot), {}), post_async(d.url + "/generate", body(1, boot), ok)
+        t1.join(60), t2.join(60)
+        assert ok["response"].status_code == 200
+        box: dict = {}
+        t = post_async(d.url + "/generate", body(2, boot), box)
+        wait_until(lambda: disagg_state(d)["transferring"] == 1)
+        killed = time.monotonic()
+        p.kill_all()
+        t.join(30)
+        assert time.monotonic() - killed < 5.0, "decode noticed the dead prefill too late"
+        assert "stopped answering heartbeats" in abort_message(box["response"])
+        d.assert_pools_full()
+        assert disagg_state(d)["failures"].get("peer_dead") == 1
+    finally:
+        d.close()
+        p.close()
+
+
+def test_bootstrap_never_completed_and_duplicate_room(target):
+    boot = free_port()
+    p, d = start_pair(target, boot)
+    try:
+        # Prefill gets a request decode never asks for: it fails at the bootstrap deadline.
+        box: dict = {}
+        t = post_async(p.url + "/generate", body(7, boot), box)
+        dup: dict = {}
+        time.sleep(0.3)
+        t_dup = post_async(p.url + "/generate", body(7, boot), dup)  # same live room: refused
+        t_dup.join(30)
+        assert "already in use" in abort_message(dup["response"])
+        t.join(30)
+        assert "bootstrapping exceeded its 3 s deadline" in abort_message(box["response"])
+        assert box["seconds"] < 10
+        p.assert_pools_full()
+        # An unreachable prefill server is a clear error from decode, not a hang.
+        bad = dict(body(8, boot), bootstrap_port=free_port())
+        r = httpx.post(d.url + "/generate", json=bad, timeout=60)
+        assert "did not list the prefill ranks" in abort_message(r)
+        d.assert_pools_full()
+    finally:
+        d.close()
+        p.close()
