@@ -20,6 +20,13 @@ class ServerMetrics:
         self.spec_accept_length = Gauge(
             "pdserve:avg_spec_accept_length",
             "Speculative decoding: tokens emitted per verify round (accepted drafts + 1); 0 when off", registry=r)
+        self.pd_queue = Gauge("pdserve:disagg_queue_reqs", "Prefill/decode requests per transfer state",
+                              ["state"], registry=r)
+        self.pd_transfer_bytes = Gauge("pdserve:kv_transfer_bytes", "KV bytes this prefill server has sent",
+                                       registry=r)
+        self.pd_transfer_seconds = Gauge("pdserve:kv_transfer_seconds", "Time spent in KV writes", registry=r)
+        self.pd_failures = Gauge("pdserve:disagg_failures", "Failed transfer rooms by reason", ["reason"],
+                                 registry=r)
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between output tokens",
@@ -36,6 +43,17 @@ class ServerMetrics:
         self.token_usage.set(state["token_usage"])
         self.cache_hit_rate.set(state["cache_hit_rate"])
         self.spec_accept_length.set(state.get("avg_spec_accept_length") or 0.0)
+        pd = state.get("disaggregation")
+        if pd:
+            for name in ("bootstrapping", "inflight", "queued", "transferring"):
+                if name in pd:
+                    self.pd_queue.labels(name).set(pd[name])
+            for room_state, n in pd["rooms"].items():
+                self.pd_queue.labels(f"room_{room_state}").set(n)
+            for reason, n in pd["failures"].items():
+                self.pd_failures.labels(reason).set(n)
+            self.pd_transfer_bytes.set(pd.get("transfer_bytes", 0))
+            self.pd_transfer_seconds.set(pd.get("transfer_seconds", 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -57,6 +57,10 @@ def test_pd_servers_equal_colocated(dirs, make_engine, decode_spec):
         assert_openai_error(p.client.post("/v1/completions", json={"prompt": "hi", "bootstrap_host": "127.0.0.1",
                                                                    "bootstrap_room": 2**63}),
                             fields=("bootstrap_room",))
+        metrics = p.client.get("/metrics").text
+        sent = next(ln for ln in metrics.splitlines() if ln.startswith("pdserve:kv_transfer_bytes"))
+        assert float(sent.split()[-1]) > 0
+        assert 'pdserve:disagg_queue_reqs{state="transferring"}' in d.client.get("/metrics").text
         p.assert_pools_full()
         d.assert_pools_full()
     finally:
