@@ -1,0 +1,145 @@
+"""KV transfer throughput: the Mooncake engine through pdserve's transfer plan vs a raw
+loopback TCP socket moving the same bytes, between two processes.
+
+    python -m pdserve.bench.kv_transfer --tokens 4096 16384
+
+For each model shape and prompt length, the receiver registers a per-layer K/V layout
+like a decode server's; the sender writes the prompt's KV (a) as contiguous slots (one
+coalesced entry per buffer), (b) as scattered slots (page size 1, shuffled: one entry
+per token per buffer, batches capped at 1024), and the raw socket sends the same bytes
+from one contiguous buffer.  Each figure is the best of --repeats runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import random
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.disagg.layout import BufferSpec, KVLayout, plan_transfer
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def buffers(self, slots: int) -> dict[str, torch.Tensor]:
+        return {f"target.L{i}.{kind}": torch.zeros(slots, self.kv_heads, self.head_dim)
+                for i in range(self.layers) for kind in ("K", "V")}
+
+
+SHAPES = {"demo": Shape("demo (4 layers, 4x32 KV)", 4, 4, 32),
+          "wide": Shape("wide (16 layers, 8x128 KV)", 16, 8, 128)}
+
+
+def layout_of(bufs: dict[str, torch.Tensor]) -> KVLayout:
+    return KVLayout(1, tuple(BufferSpec(n, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size())
+                             for n, t in bufs.items()))
+
+
+def _receiver(shape: Shape, slots: int, conn) -> None:
+    from pdserve.disagg.transfer import MooncakeTransfer
+
+    engine = MooncakeTransfer("127.0.0.1")
+    bufs = shape.buffers(slots)
+    for t in bufs.values():
+        engine.register(t.data_ptr(), t.numel() * t.element_size())
+    server = socket.create_server(("127.0.0.1", 0))
+    conn.send((engine.session_id, layout_of(bufs), server.getsockname()[1]))
+    sink = bytearray(sum(t.numel() * t.element_size() for t in bufs.values()))
+    view = memoryview(sink)
+    while True:
+        cmd = conn.recv()
+        if cmd is None:
+            break
+        peer, _ = server.accept()
+        with peer:
+            got = 0
+            while got < cmd:
+                n = peer.recv_into(view[got:cmd])
+                if n == 0:
+                    break
+                got += n
+            peer.sendall(b"k")
+        conn.send(got)
+    engine.close()
+
+
+def measure(shape: Shape, tokens: int, repeats: int) -> dict[str, float]:
+    from pdserve.disagg.transfer import MooncakeTransfer
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(shape, tokens, child), daemon=True)
+    proc.start()
+    session, dst_layout, port = parent.recv()
+    engine = MooncakeTransfer("127.0.0.1")
+    bufs = shape.buffers(tokens)
+    for t in bufs.values():
+        t.normal_()
+        engine.register(t.data_ptr(), t.numel() * t.element_size())
+    plan = plan_transfer(layout_of(bufs), dst_layout, list(bufs))
+    nbytes = sum(t.numel() * t.element_size() for t in bufs.values())
+    contiguous = plan.writes(list(range(tokens)), list(range(tokens)))
+    shuffled = list(range(tokens))
+    random.Random(0).shuffle(shuffled)
+    scattered = plan.writes(list(range(tokens)), shuffled)
+    src = torch.cat([t.flatten() for t in bufs.values()]).numpy().tobytes()
+    out: dict[str, float] = {"bytes": nbytes, "entries_contiguous": len(contiguous.src),
+                             "entries_scattered": len(scattered.src)}
+    for name, batch in (("mooncake_contiguous", contiguous), ("mooncake_scattered", scattered)):
+        engine.write(session, batch)  # first write to a peer includes its handshake
+        best = min(_timed(lambda: engine.write(session, batch)) for _ in range(repeats))
+        out[name] = nbytes / best / 1e9
+
+    def raw() -> None:
+        parent.send(nbytes)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(src)
+            s.recv(1)
+        assert parent.recv() == nbytes
+    out["raw_tcp"] = nbytes / min(_timed(raw) for _ in range(repeats)) / 1e9
+    parent.send(None)
+    proc.join(30)
+    engine.close()
+    return out
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--shapes", nargs="+", default=["demo", "wide"], choices=sorted(SHAPES))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-bytes", type=float, default=2.5e9, help="skip combinations larger than this")
+    args = ap.parse_args(argv)
+    print("| model | tokens | MiB | Mooncake contiguous GB/s (entries) | Mooncake scattered GB/s (entries) "
+          "| raw TCP GB/s | Mooncake / raw |")
+    print("|---|---|---|---|---|---|---|")
+    for key in args.shapes:
+        shape = SHAPES[key]
+        for tokens in args.tokens:
+            per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4
+            if per_token * tokens > args.max_bytes:
+                continue
+            r = measure(shape, tokens, args.repeats)
+            print(f"| {shape.name} | {tokens} | {r['bytes'] / 2**20:.0f} | {r['mooncake_contiguous']:.2f} "
+                  f"({int(r['entries_contiguous'])}) | {r['mooncake_scattered']:.2f} ({int(r['entries_scattered'])}) "
+                  f"| {r['raw_tcp']:.2f} | {r['mooncake_contiguous'] / r['raw_tcp']:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
