@@ -59,16 +59,31 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
+def llama_layer_config(target_cfg: Any) -> Any:
+    """A Llama config with the target's layer dimensions: a draft layer is a Llama layer
+    whatever the target family (Qwen's biases and q/k norms are not part of it)."""
+    from transformers import LlamaConfig
+
+    head_dim = getattr(target_cfg, "head_dim", None) or target_cfg.hidden_size // target_cfg.num_attention_heads
+    return LlamaConfig(
+        hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
+        num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=head_dim, rms_norm_eps=target_cfg.rms_norm_eps, hidden_act=target_cfg.hidden_act,
+        max_position_embeddings=target_cfg.max_position_embeddings, vocab_size=target_cfg.vocab_size,
+        rope_parameters=getattr(target_cfg, "rope_parameters", None), num_hidden_layers=1)
+
+
 class DraftHead(nn.Module):
     """One EAGLE or EAGLE3 draft layer; parameter names are the checkpoint's."""
 
     def __init__(self, algo: str, cfg: Any, embed: torch.Tensor, target_head: torch.Tensor,
                  draft_vocab: torch.Tensor | None) -> None:
-        """``cfg``: the target's transformers LlamaConfig-like config; ``embed`` /
-        ``target_head``: the target's weights (shared, frozen, not saved)."""
+        """``cfg``: the target's transformers config (any Llama-family architecture);
+        ``embed`` / ``target_head``: the target's weights (shared, frozen, not saved)."""
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+        cfg = llama_layer_config(cfg)
         self.algo = algo
         h = cfg.hidden_size
         self.embed = embed.detach()

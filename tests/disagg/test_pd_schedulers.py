@@ -43,7 +43,7 @@ def sched(cls, dirs, algo: str | None, extra: dict[str, Any] | None = None, **kw
                                         speculative_num_draft_tokens=5)
     if algo is not None:
         SPEC[algo] = spec
-    args = ServerArgs(model_path=str(dirs["target"]), max_total_tokens=2048, **spec, **(extra or {}))
+    args = ServerArgs(model_path=str(dirs["target"]), max_total_tokens=8192, **spec, **(extra or {}))
     runner = ModelRunner(args, dirs["target"], TPGroup())
     tok = load_tokenizer(dirs["target"])
     return cls(args, runner, lambda ids: tok.decode(ids, skip_special_tokens=False), LocalTransfer(), **kw)
@@ -56,13 +56,13 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-def run_pair(p, d, ps: list[list[int]]) -> list[list[int]]:
+def run_pair(p, d, ps: list[list[int]], sampling: dict[str, Any] = GREEDY) -> list[list[int]]:
     builder = RequestBuilder(None, 4096, 10**6, 4, 0)
-    params = SamplingParams.from_dict(GREEDY)
+    params = SamplingParams.from_dict(sampling)
     outs: dict[str, list[int]] = {}
     dec_reqs = []
     for i, ids in enumerate(ps):
-        room = 1000 + i
+        room = random.getrandbits(62) + i
         rp = builder.group(ids, params, False, 0, rid=f"p{i}")[0]
         rd = builder.group(ids, params, False, 0, rid=f"d{i}")[0]
         for r in (rp, rd):
@@ -151,3 +151,21 @@ def test_incompatible_pairs_are_refused(dirs):
     finally:
         for s in (p, d, d3, de16, pe, de3):
             s.close()
+
+
+@pytest.mark.parametrize("p_algo,d_algo", [(None, None), (None, "EAGLE3"), ("EAGLE3", "EAGLE3")])
+def test_pd_pair_on_qwen3(make_engine, tmp_path, p_algo, d_algo):
+    t = build_random_model(tmp_path / "q", "qwen3", num_layers=4, num_heads=4, num_kv_heads=2)
+    qdirs = {"target": t, "EAGLE3": build_random_draft(t, tmp_path / "q3", "EAGLE3", draft_vocab_size=40)}
+    ps = prompts(4, seed=5)
+    ref = [r["output_ids"] for r in make_engine(t).generate(input_ids=ps, sampling_params=GREEDY)]
+    p = sched(PrefillScheduler, qdirs, p_algo, {"chunked_prefill_size": 16, "page_size": 16})
+    d = sched(DecodeScheduler, qdirs, d_algo, {"page_size": 16},
+              fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    try:
+        assert run_pair(p, d, ps) == ref
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
