@@ -157,6 +157,7 @@ class _PrefillRoom:
     pending: int = 0                       # queued writes not yet done
     record: P.HandoffRecord | None = None  # set by finish(); sent once pending == 0
     bytes_sent: int = 0
+    acked: bool = False                    # decode told that no write is left in flight
 
 
 class PrefillTransferManager:
@@ -198,6 +199,20 @@ class PrefillTransferManager:
             self._transfer_request(msg)
         elif isinstance(msg, P.Abort):
             self.rooms.fail(msg.room, f"aborted by decode: {msg.reason}", "aborted")
+            self._ack_abort_if_idle(msg.room)
+
+    def _ack_abort_if_idle(self, room: int) -> None:
+        """Tell decode a failed room's pages are safe to reuse: no write of ours is
+        queued or running any more (an Abort from prefill is that acknowledgement)."""
+        with self._lock:
+            pr = self._rooms.get(room)
+            if pr is None or pr.pending or pr.acked:
+                return
+            pr.acked = True
+            peer = self._peers.get(pr.request.decode_id)
+        state, reason = self.status(room)
+        if peer is not None and state is RoomState.FAILED:
+            self._link.send(peer.handshake.control_addr, P.Abort(room, reason or "failed"))
 
     def _handshake(self, hs: P.Handshake) -> None:
         try:
@@ -362,6 +377,8 @@ class PrefillTransferManager:
             with self._lock:
                 pr.pending -= 1
             self._maybe_send_record(room)
+            if self.status(room)[0] is RoomState.FAILED:
+                self._ack_abort_if_idle(room)
 
     def _finish(self, room: int, record: P.HandoffRecord) -> None:
         with self._lock:
@@ -412,6 +429,7 @@ class _PrefillPeer:
 class _DecodeRoom:
     senders: set[str] = field(default_factory=set)   # prefill control addrs still to report
     record: P.HandoffRecord | None = None
+    quiet: set[str] = field(default_factory=set)     # senders that will not write any more
 
 
 class DecodeTransferManager:
@@ -486,6 +504,16 @@ class DecodeTransferManager:
             for addr in senders:
                 self._link.send(addr, P.Abort(room, reason))
 
+    def safe_to_free(self, room: int) -> bool:
+        """Whether no prefill write can still land in the room's pages: it succeeded,
+        or every sender acknowledged the failure (or died)."""
+        r = self.rooms.get(room)
+        if r is None or r.state is RoomState.SUCCESS:
+            return True
+        with self._lock:
+            dr = self._rooms.get(room)
+            return dr is None or dr.senders <= dr.quiet
+
     def release(self, room: int) -> None:
         with self._lock:
             self._rooms.pop(room, None)
@@ -521,10 +549,16 @@ class DecodeTransferManager:
                 self.rooms.advance(msg.room, RoomState.SUCCESS)
         elif isinstance(msg, P.Abort):
             self.rooms.fail(msg.room, f"prefill failed the request: {msg.reason}", "prefill_error")
+            with self._lock:
+                dr = self._rooms.get(msg.room)
+                if dr is not None:
+                    dr.quiet |= dr.senders  # every prefill rank answers for its own writes
 
     def _on_peer_dead(self, addr: str) -> None:
         with self._lock:
             rooms = [r for r, dr in self._rooms.items() if addr in dr.senders]
+            for r in rooms:
+                self._rooms[r].quiet.add(addr)  # a dead sender writes nothing more
             for url, peers in list(self._connected.items()):
                 if any(p.control_addr == addr for p in peers):
                     del self._connected[url]

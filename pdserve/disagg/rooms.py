@@ -145,6 +145,11 @@ class RoomTable:
                 raise RoomError(f"room {room} is still {r.state.name}")
             del self._rooms[room]
 
+    def ended(self) -> list[int]:
+        """Rooms in a terminal state (to be closed by whoever owns them)."""
+        with self._lock:
+            return [r.room for r in self._rooms.values() if r.state.terminal]
+
     def counts(self) -> dict[str, int]:
         with self._lock:
             out = {s.name.lower(): 0 for s in RoomState}

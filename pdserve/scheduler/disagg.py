@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -147,6 +148,9 @@ class PrefillScheduler(Scheduler):
     def step(self) -> StepOutput:
         out = StepOutput()
         self.manager.expire()
+        for room in self.manager.rooms.ended():
+            if room not in self._sent:  # opened by decode's request alone, then aborted or expired
+                self.manager.release(room)
         for req in list(self.bootstrapping):
             state, reason = self.manager.status(req.bootstrap_room)  # type: ignore[arg-type]
             if state is RoomState.FAILED:
@@ -273,6 +277,8 @@ class DecodeScheduler(Scheduler):
         self.fetch_ranks = fetch_ranks
         self.queued: list[_Pending] = []      # waiting for KV slots
         self.transferring: list[Req] = []
+        # (room, pages, deadline) of failed transfers whose pages a late write might hit
+        self.quarantine: list[tuple[int, torch.Tensor, float]] = []
 
     def add(self, req: Req) -> None:
         if req.bootstrap_room is None or req.bootstrap_host is None:
@@ -285,11 +291,12 @@ class DecodeScheduler(Scheduler):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.queued or self.transferring) or super().has_work
+        return bool(self.queued or self.transferring or self.quarantine) or super().has_work
 
     def step(self) -> StepOutput:
         out = StepOutput()
         self.manager.expire()
+        self._release_quarantine()
         self._admit_transfers(out)
         self._check_transfers(out)
         if self.running:
@@ -337,8 +344,31 @@ class DecodeScheduler(Scheduler):
                 self._commit(req, record, out)
             elif state is RoomState.FAILED:
                 self.transferring.remove(req)
-                self.manager.release(req.bootstrap_room)  # type: ignore[arg-type]
-                out.finished += self._finish(req, FinishReason(FinishKind.ABORT, message=reason))
+                out.finished += self._retire(req, reason or "transfer failed")
+
+    def _retire(self, req: Req, reason: str) -> list[Req]:
+        """Finish a request whose transfer failed. Its pages stay out of use (quarantined)
+        until prefill confirms no write to them is left in flight, or the transfer
+        deadline passes: a late write must never land in another request's KV."""
+        room = req.bootstrap_room
+        assert room is not None and req.row is not None
+        if not self.manager.safe_to_free(room):
+            ps = self.page_size
+            pages = self.req_table.table[req.row, : req.kv_len: ps].cpu() // ps
+            self.allocator.retain(pages)
+            self.quarantine.append((room, pages, time.monotonic() + self.args.disaggregation_transfer_timeout))
+        else:
+            self.manager.release(room)
+        return self._finish(req, FinishReason(FinishKind.ABORT, message=reason))
+
+    def _release_quarantine(self) -> None:
+        now = time.monotonic()
+        for item in list(self.quarantine):
+            room, pages, deadline = item
+            if self.manager.safe_to_free(room) or now > deadline:
+                self.quarantine.remove(item)
+                self.allocator.release(pages)
+                self.manager.release(room)
 
     def _commit(self, req: Req, record: P.HandoffRecord, out: StepOutput) -> None:
         req.cached_tokens = record.cached_tokens
@@ -361,9 +391,8 @@ class DecodeScheduler(Scheduler):
             out += self._finish(pending.req, FinishReason(FinishKind.ABORT, message=message))
         for req in [r for r in self.transferring if r.rid == rid]:
             self.manager.abort(req.bootstrap_room, message)  # type: ignore[arg-type]
-            self.manager.release(req.bootstrap_room)  # type: ignore[arg-type]
             self.transferring.remove(req)
-            out += self._finish(req, FinishReason(FinishKind.ABORT, message=message))
+            out += self._retire(req, message)
         return out + super().abort(rid, message)
 
     def state(self) -> dict[str, object]:
@@ -372,6 +401,7 @@ class DecodeScheduler(Scheduler):
         st["num_running_reqs"] += len(self.transferring)  # type: ignore[operator]
         st["disaggregation"] = {
             "mode": "decode", "queued": len(self.queued), "transferring": len(self.transferring),
+            "quarantined": len(self.quarantine),
             "rooms": self.manager.rooms.counts(), "failures": dict(self.manager.rooms.failures),
         }
         return st

@@ -169,3 +169,38 @@ def test_pd_pair_on_qwen3(make_engine, tmp_path, p_algo, d_algo):
     finally:
         p.close()
         d.close()
+
+
+def test_client_abort_on_decode_quarantines_pages_until_prefill_acknowledges(dirs):
+    p = sched(PrefillScheduler, dirs, None, {})
+    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    builder = RequestBuilder(None, 4096, 10**6, 4, 0)
+    try:
+        r = builder.group(list(range(6, 40)), SamplingParams.from_dict(GREEDY), False, 0, rid="x")[0]
+        r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, 99
+        d.add(r)
+        d.step()
+        assert d.transferring and d.manager.rooms.get(99).state.name == "WAITING_FOR_INPUT"
+        deadline = time.monotonic() + 5
+        while p.manager.rooms.get(99) is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # decode's request reached prefill
+        (done,) = d.abort("x")
+        assert done.finish.message == "aborted by the client"
+        assert d.quarantine, "pages reused before prefill confirmed no write is in flight"
+        free_before = d.allocator.num_free
+        deadline = time.monotonic() + 5
+        while p.manager.status(99)[0].name != "FAILED" and time.monotonic() < deadline:
+            time.sleep(0.01)  # prefill was told
+        assert p.manager.status(99)[1] == "aborted by decode: aborted by the client"
+        while d.quarantine and time.monotonic() < deadline:
+            p.step()
+            d.step()
+            time.sleep(0.01)
+        assert not d.quarantine and d.allocator.num_free > free_before
+        p.step()
+        assert p.manager.rooms.get(99) is None  # prefill forgot the room
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
