@@ -167,12 +167,27 @@ class Curriculum:
     recall_max: int = RECALL_STEPS[0]
     long_row: int = 256  # length of the long (multi-turn) rows; grows with the curriculum
     recall_share: float = TASK_PROBS["recall"]  # fraction of turns that are recall questions
+    skip_share: float = 0.0  # fraction of training-only "Skip:" turns (see skip_example)
 
     def done(self) -> bool:
         return self.copy_max == COPY_STEPS[-1] and self.recall_max == RECALL_STEPS[-1]
 
 
+def skip_example(rng: random.Random) -> dt.Example:
+    """Training-only auxiliary turn ``Skip: S`` -> every other character of S.
+
+    Producing S[i+2] after S[i] is an induction over the token two back, the
+    feature recall's key lookup needs at a value (``k=v``: the key sits two
+    before the value's first character); copying only ever builds the one-back
+    feature, and recall alone leaves it on a long plateau.
+    """
+    s = "".join(rng.sample(dt.ALNUM, rng.randint(8, 24)))
+    return dt.Example("skip", f"Skip: {s}", s[::2])
+
+
 def sample_turn(rng: random.Random, cur: Curriculum) -> dt.Example:
+    if cur.skip_share > 0 and rng.random() < cur.skip_share:
+        return skip_example(rng)
     # Arithmetic and copy keep their ratio in whatever recall leaves.
     rest = (1.0 - cur.recall_share) / (TASK_PROBS["arithmetic"] + TASK_PROBS["copy"])
     weights = [TASK_PROBS["arithmetic"] * rest, TASK_PROBS["copy"] * rest, cur.recall_share]
@@ -440,6 +455,12 @@ and `add_generation_prompt=True` appends `<|assistant|>`. Generation ends at `</
 
 Conversations in training mix these tasks over several turns (up to
 ~{ckpt['cur']['long_row']} tokens); each answer depends only on its own question.
+Training also used two training-only turn kinds (never evaluated): follow-up
+questions `What is k?` on the previous turn's recall list (answer: its value), and
+`Skip: S` -> every other character of S (see the trainer for why).
+
+Reproduce: `python scripts/train_demo_model.py` (its defaults replay this run on
+one thread; it took {ckpt['history'][-1]['time_s'] / 60:.0f} minutes here, on a 2-core machine shared with other jobs).
 
 ## Training curve
 
@@ -481,20 +502,23 @@ transformers `generate`, {eval_n} questions per task, full difficulty ranges
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=REPO / "pdserve" / "assets" / "demo")
     p.add_argument("--ckpt-dir", type=Path, default=Path("/root/pdserve-train-ckpt"))
     p.add_argument("--resume", action="store_true", help="continue from CKPT_DIR/latest.pt")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start a fresh run (new optimizer, schedule and curriculum flags) from the weights of an "
+                        "exported model directory, e.g. pdserve/assets/demo, when no checkpoint survived")
     p.add_argument("--overwrite", action="store_true", help="start fresh even if a checkpoint exists")
     p.add_argument("--export-only", action="store_true", help="export CKPT_DIR/latest.pt to OUT and exit")
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop (checkpointed) after this long; 0 = no limit")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--total-steps", type=int, default=6000)
+    p.add_argument("--total-steps", type=int, default=3900)
     p.add_argument("--set-total-steps", type=int, default=0,
                    help="with --resume: change the checkpoint's total step count (moves the LR decay)")
     p.add_argument("--tokens-per-step", type=int, default=4096)
     p.add_argument("--short-row", type=int, default=192)
-    p.add_argument("--lr", type=float, default=2.5e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--eval-every", type=int, default=100)
@@ -510,14 +534,18 @@ def parse_args() -> argparse.Namespace:
                    help="chance that a recall turn gets 1-3 follow-up questions on its list")
     p.add_argument("--recall-followups-from", type=int, default=2073, help="step from which they are added")
     p.add_argument("--recall-share", type=float, default=0.6, help="fraction of recall turns (from the step below)")
-    p.add_argument("--recall-share-from", type=int, default=2297, help="step from which it applies")
+    p.add_argument("--recall-share-from", type=int, default=2500, help="step from which it applies")
+    p.add_argument("--skip-share", type=float, default=0.15, help="fraction of auxiliary Skip: turns")
+    p.add_argument("--recall-full-from", type=int, default=10**9,
+                   help="step from which recall lists use the full 2..16 range (ends its curriculum)")
+    p.add_argument("--skip-from", type=int, default=2500, help="step from which they are added")
     p.add_argument("--ckpt-minutes", type=float, default=5.0)
     p.add_argument("--final-eval-n", type=int, default=300, help="questions per task for the exported README")
-    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
     return p.parse_args()
 
 
@@ -537,6 +565,10 @@ def main() -> None:
     torch.manual_seed(args.seed)
     cfg = build_config(args)
     model = build_model(cfg)
+    if args.init_from is not None and not args.resume:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(args.init_from / "model.safetensors")))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -610,7 +642,7 @@ def main() -> None:
     t_run = time.time()
     t_ckpt = t_run
     agg: dict[str, list[float]] = {"loss": [], "ntok": []}
-    task_loss: dict[str, list[float]] = {t: [0.0, 0] for t in dt.TASKS}
+    task_loss: dict[str, list[float]] = {t: [0.0, 0] for t in (*dt.TASKS, "skip")}
     t_log = time.time()
     model.train()
     while step < args.total_steps:
@@ -621,6 +653,10 @@ def main() -> None:
         followups = args.recall_followup_prob if step >= args.recall_followups_from else 0.0
         if step >= args.recall_share_from:
             cur.recall_share = args.recall_share
+        if step >= args.skip_from:
+            cur.skip_share = args.skip_share
+        if step >= args.recall_full_from:
+            cur.recall_max = RECALL_STEPS[-1]
         ids, wts, spans = make_batch(rng, cur, row, args.tokens_per_step, key_weight, followups)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
@@ -650,7 +686,7 @@ def main() -> None:
                 f"tok/s {sum(agg['ntok']) / dt_s:.0f} cur copy<={cur.copy_max} recall<={cur.recall_max} "
                 f"long_row={cur.long_row}", logf)
             agg = {"loss": [], "ntok": []}
-            task_loss = {t: [0.0, 0] for t in dt.TASKS}
+            task_loss = {t: [0.0, 0] for t in (*dt.TASKS, "skip")}
             t_log = time.time()
 
         if step % args.eval_every == 0 or step == args.total_steps:

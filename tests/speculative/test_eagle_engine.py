@@ -328,3 +328,26 @@ def test_bad_speculative_flags_are_refused(target, drafts):
     with pytest.raises(ValueError, match="EAGLE3 draft"):
         Engine(model_path=str(target), speculative_algorithm="EAGLE",
                speculative_draft_model_path=str(drafts["EAGLE3"]))
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_demo_heads_equal_plain_and_accept(make_engine, algo):
+    """The embedded demo model with its trained heads: identical greedy output for every
+    shape (mixed batch, chunked prefill, then cache hits), and real acceptance."""
+    from pdserve import assets
+    from pdserve.assets import demo_tasks
+
+    tok = make_engine(assets.path("demo")).tokenizer
+    convs = [c for t in (*demo_tasks.TASKS, "multi-turn") for c in demo_tasks.heldout_conversations(t, 3, 2)]
+    ps = [tok(tok.apply_chat_template(list(c.messages), add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"] for c in convs]
+    params = {"max_new_tokens": 40, "temperature": 0}
+    ref = reference(make_engine, assets.path("demo"), ps, params)
+    head = str(assets.path("demo-eagle" if algo == "EAGLE" else "demo-eagle3"))
+    for shape in SHAPES:
+        engine = make_engine(assets.path("demo"), chunked_prefill_size=48, speculative_algorithm=algo,
+                             speculative_draft_model_path=head, speculative_num_steps=shape[0],
+                             speculative_eagle_topk=shape[1], speculative_num_draft_tokens=shape[2])
+        assert ids_of(engine.generate(input_ids=ps, sampling_params=params)) == ids_of(ref), shape
+        assert ids_of(engine.generate(input_ids=ps, sampling_params=params)) == ids_of(ref), shape
+        assert engine._scheduler.state()["avg_spec_accept_length"] > 1.5, shape
