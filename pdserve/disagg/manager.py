@@ -139,6 +139,22 @@ class _Link:
         self._ctx.term()
 
 
+class _Side:
+    """What both ends share: the room table and per-room bookkeeping under one lock."""
+
+    rooms: RoomTable
+    _rooms: dict[int, Any]
+    _lock: threading.Lock
+
+    def release(self, room: int) -> None:
+        """The scheduler is done with a room: forget it once it has ended."""
+        with self._lock:
+            self._rooms.pop(room, None)
+        r = self.rooms.get(room)
+        if r is not None and r.state.terminal:
+            self.rooms.close(room)
+
+
 # ---------------------------------------------------------------------------
 # Prefill side
 # ---------------------------------------------------------------------------
@@ -160,7 +176,7 @@ class _PrefillRoom:
     acked: bool = False                    # decode told that no write is left in flight
 
 
-class PrefillTransferManager:
+class PrefillTransferManager(_Side):
     def __init__(self, engine: TransferEngine, compat: CompatRecord, layout: KVLayout, tp_rank: int,
                  head_ranges: Sequence[HeadRange] | None, host: str = "127.0.0.1",
                  cfg: LinkConfig = LinkConfig(),
@@ -306,14 +322,6 @@ class PrefillTransferManager:
             return RoomState.FAILED, f"unknown room {room}"
         return r.state, r.reason
 
-    def release(self, room: int) -> None:
-        """The scheduler is done with a terminal room."""
-        with self._lock:
-            self._rooms.pop(room, None)
-        r = self.rooms.get(room)
-        if r is not None and r.state.terminal:
-            self.rooms.close(room)
-
     def abort(self, room: int, reason: str) -> None:
         if self.rooms.fail(room, reason, "aborted"):
             with self._lock:
@@ -432,7 +440,7 @@ class _DecodeRoom:
     quiet: set[str] = field(default_factory=set)     # senders that will not write any more
 
 
-class DecodeTransferManager:
+class DecodeTransferManager(_Side):
     def __init__(self, engine: TransferEngine, compat: CompatRecord, layout: KVLayout, tp_rank: int, tp_size: int,
                  wanted: Sequence[str], host: str = "127.0.0.1", cfg: LinkConfig = LinkConfig(),
                  feature_layers: tuple[int, ...] = ()) -> None:
@@ -513,13 +521,6 @@ class DecodeTransferManager:
         with self._lock:
             dr = self._rooms.get(room)
             return dr is None or dr.senders <= dr.quiet
-
-    def release(self, room: int) -> None:
-        with self._lock:
-            self._rooms.pop(room, None)
-        r = self.rooms.get(room)
-        if r is not None and r.state.terminal:
-            self.rooms.close(room)
 
     def expire(self) -> list[int]:
         return [r.room for r in self.rooms.expire()]
