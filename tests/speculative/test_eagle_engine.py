@@ -351,3 +351,5 @@ def test_demo_heads_equal_plain_and_accept(make_engine, algo):
         assert ids_of(engine.generate(input_ids=ps, sampling_params=params)) == ids_of(ref), shape
         assert ids_of(engine.generate(input_ids=ps, sampling_params=params)) == ids_of(ref), shape
         assert engine._scheduler.state()["avg_spec_accept_length"] > 1.5, shape
+        one = engine.generate(input_ids=ps[-1], sampling_params=params)  # a single request, cache hit
+        assert one["output_ids"] == ref[-1]["output_ids"], shape
