@@ -219,7 +219,8 @@ class PrefillScheduler(Scheduler):
                 self._fail(req, reason, out)
 
     def _fail(self, req: Req, reason: str | None, out: StepOutput) -> None:
-        out.finished += self._finish(req, FinishReason(FinishKind.ABORT, message=reason or "transfer failed"))
+        out.finished += self._finish(req, FinishReason(FinishKind.ABORT, message=reason or "transfer failed",
+                                                       server_error=True))
         self._forget(req)
 
     def _forget(self, req: Req) -> None:
@@ -346,7 +347,7 @@ class DecodeScheduler(Scheduler):
                 self.transferring.remove(req)
                 out.finished += self._retire(req, reason or "transfer failed")
 
-    def _retire(self, req: Req, reason: str) -> list[Req]:
+    def _retire(self, req: Req, reason: str, server_error: bool = True) -> list[Req]:
         """Finish a request whose transfer failed. Its pages stay out of use (quarantined)
         until prefill confirms no write to them is left in flight, or the transfer
         deadline passes: a late write must never land in another request's KV."""
@@ -359,7 +360,7 @@ class DecodeScheduler(Scheduler):
             self.quarantine.append((room, pages, time.monotonic() + self.args.disaggregation_transfer_timeout))
         else:
             self.manager.release(room)
-        return self._finish(req, FinishReason(FinishKind.ABORT, message=reason))
+        return self._finish(req, FinishReason(FinishKind.ABORT, message=reason, server_error=server_error))
 
     def _release_quarantine(self) -> None:
         now = time.monotonic()
@@ -392,7 +393,7 @@ class DecodeScheduler(Scheduler):
         for req in [r for r in self.transferring if r.rid == rid]:
             self.manager.abort(req.bootstrap_room, message)  # type: ignore[arg-type]
             self.transferring.remove(req)
-            out += self._retire(req, message)
+            out += self._retire(req, message, server_error=False)
         return out + super().abort(rid, message)
 
     def state(self) -> dict[str, object]:

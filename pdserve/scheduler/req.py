@@ -20,6 +20,7 @@ class FinishReason:
     kind: FinishKind
     matched: int | str | None = None  # stop token id or stop string
     message: str | None = None        # why an abort happened
+    server_error: bool = False        # an abort the server caused (a failed transfer), not the input
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.kind.value}
@@ -27,6 +28,8 @@ class FinishReason:
             out["matched"] = self.matched
         elif self.kind is FinishKind.ABORT:
             out["message"] = self.message
+            if self.server_error:
+                out["server_error"] = True
         return out
 
 

@@ -449,6 +449,8 @@ def _raise_server_abort(job: Job) -> None:
     for st in job.states:
         for s in st.samples:
             if s.finish and s.finish.get("type") == "abort" and s.finish.get("message") != CLIENT_ABORT:
+                if s.finish.get("server_error"):  # e.g. a failed KV transfer: retryable, not bad input
+                    raise ApiError(str(s.finish.get("message")), None, status=503, kind="server_error")
                 raise ApiError(str(s.finish.get("message")), None, status=400)
 
 

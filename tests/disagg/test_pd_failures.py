@@ -106,6 +106,11 @@ def test_bootstrap_never_completed_and_duplicate_room(target):
         t.join(30)
         assert "bootstrapping exceeded its 3 s deadline" in abort_message(box["response"])
         assert box["seconds"] < 10
+        # On the OpenAI routes such a server-side failure is a 503 with the reason (not a 400).
+        r = httpx.post(p.url + "/v1/completions", timeout=60,
+                       json={"prompt": "hello", "max_tokens": 4, "bootstrap_host": "127.0.0.1",
+                             "bootstrap_port": boot, "bootstrap_room": 8})
+        assert r.status_code == 503 and "bootstrapping exceeded" in r.json()["error"]["message"], r.text
         p.assert_pools_full()
         # An unreachable prefill server is a clear error from decode, not a hang.
         bad = dict(body(8, boot), bootstrap_port=free_port())
