@@ -83,10 +83,8 @@ class ForwardContext:
         if extra_masks is not None and batch > 1 and bool((extend_lens == extend_lens[0]).all()):
             return cls._uniform(req_to_token, rows, prefix_lens, int(extend_lens[0]), extra_masks, positions)
         if extra_masks is None and positions is None and bool((extend_lens == 1).all()):
-            max_k = int(kv_lens.max())
-            k_ar = torch.arange(max_k, device=device)
-            valid = k_ar.unsqueeze(0) < kv_lens.unsqueeze(1)
-            kv_indices = torch.where(valid, req_to_token[rows, :max_k], 0)
+            kv_indices, valid = _padded_slots(req_to_token, rows, kv_lens)
+            max_k = kv_indices.shape[1]
             out_loc = req_to_token[rows, prefix_lens]
             return cls(prefix_lens.clone(), out_loc, batch, True, kv_indices=kv_indices,
                        attn_mask=valid.view(batch, 1, 1, max_k))
@@ -125,11 +123,9 @@ class ForwardContext:
         verified tree): keys are each row's prefix followed by its new tokens."""
         device = rows.device
         batch = rows.shape[0]
-        kv_lens = prefix_lens + q_len
-        max_k = int(kv_lens.max())
+        kv_indices, valid = _padded_slots(req_to_token, rows, prefix_lens + q_len)
+        max_k = kv_indices.shape[1]
         k_ar = torch.arange(max_k, device=device)
-        valid = k_ar.unsqueeze(0) < kv_lens.unsqueeze(1)
-        kv_indices = torch.where(valid, req_to_token[rows, :max_k], 0)
         q_idx = torch.arange(q_len, device=device)
         slot_pos = (prefix_lens.unsqueeze(1) + q_idx.unsqueeze(0))                     # [B, q]
         out_loc = req_to_token[rows.unsqueeze(1), slot_pos].reshape(-1)
@@ -143,6 +139,14 @@ class ForwardContext:
         pos = positions if positions is not None else slot_pos.reshape(-1)
         return cls(pos, out_loc, batch, False, kv_indices=kv_indices, attn_mask=mask.unsqueeze(1),
                    q_per_row=q_len)
+
+
+def _padded_slots(req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's KV slots [B, max kv_len], padded with slot 0, and the validity mask."""
+    max_k = int(kv_lens.max())
+    valid = torch.arange(max_k, device=rows.device).unsqueeze(0) < kv_lens.unsqueeze(1)
+    return torch.where(valid, req_to_token[rows, :max_k], 0), valid
 
 
 class TorchNativeAttention:

@@ -80,16 +80,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_features(self, batch: ForwardInput, capture_layers: tuple[int, ...] | None
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [R, V] and, unless ``capture_layers`` is None, the per-token
-        feature a draft head reads for every new token [T, W]: the final normed
-        hidden state when ``capture_layers`` is empty (EAGLE), else the residual
-        streams entering those layers, concatenated (EAGLE3)."""
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Logits [R, V]; unless ``capture_layers`` is None, the per-token feature a
+        draft head reads for every new token [T, W] (the final normed hidden state
+        when ``capture_layers`` is empty (EAGLE), else the residual streams entering
+        those layers, concatenated (EAGLE3)); and the KV slot of every new token [T]."""
         assert self.req_to_token is not None, "bind_memory() first"
         ctx = ForwardContext.build(self.req_to_token, batch.rows, batch.prefix_lens, batch.extend_lens,
                                    batch.extra_masks, batch.positions)
         hidden, captured = self.model(batch.input_ids, ctx, capture_layers or ())
         logits = self.model.compute_logits(hidden[batch.sample_index])
         if capture_layers is None:
-            return logits, None
-        return logits, (torch.cat(captured, dim=-1) if capture_layers else hidden)
+            return logits, None, ctx.out_cache_loc
+        return logits, (torch.cat(captured, dim=-1) if capture_layers else hidden), ctx.out_cache_loc

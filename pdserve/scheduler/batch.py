@@ -28,13 +28,13 @@ def build_sampling_info(reqs: list[Req], vocab_size: int, eos_ids: tuple[int, ..
         top_ks=top_ks.to(device),
         min_ps=min_ps.to(device),
         seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=device),
-        steps=torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=device),
+        steps=torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.int64, device=device),
         all_greedy=all_greedy,
         need_filter=need_filter,
     )
     if any(p.needs_penalties for p in ps):
         info.penalties = _penalties(reqs, vocab_size, device)
-    banned_rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
+    banned_rows = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_new_tokens]
     if banned_rows:
         banned = torch.zeros(len(reqs), vocab_size, dtype=torch.bool)
         for i in banned_rows:

@@ -164,13 +164,7 @@ class PrefillScheduler(Scheduler):
         if batch is None:
             return out
         self.num_forward_steps += 1
-        capture = (self.spec.capture_layers, self.spec.features) if self.spec is not None else self._capture
-        if capture is None:
-            logits = self.runner.forward(batch.forward)
-        else:
-            logits, feats = self.runner.forward_features(batch.forward, capture[0])
-            assert feats is not None
-            capture[1][self._new_token_slots(batch.forward)] = feats.to(capture[1].dtype)
+        logits = self._forward(batch.forward)
         for req in batch.reqs:
             self._send_new_kv(req)
         self._process(batch, logits, out)
@@ -182,6 +176,10 @@ class PrefillScheduler(Scheduler):
         # out of the client's view until decode has everything.
         out.advanced = [r for r in out.advanced if r.finish is not None]
         return out
+
+    def _feature_capture(self) -> tuple[tuple[int, ...], torch.Tensor] | None:
+        # A plain prefill captures what a speculative decode peer asked for.
+        return super()._feature_capture() or self._capture
 
     def _check_finished(self, req: Req) -> FinishReason | None:
         return None  # decode decides when a request ends; prefill only hands it off

@@ -75,6 +75,10 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
     def fill_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

@@ -59,17 +59,24 @@ def _path_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
 
 
 class _DrawView:
-    """A request as it would be after emitting a tree path: what the sampler reads."""
+    """A request as it would be after emitting a tree path: what the sampler reads.
+    The extended output list is only built when penalties need it (not per node
+    of every round)."""
 
     def __init__(self, req: Req, path: list[int]) -> None:
         self.params = req.params
         self.seed = req.seed
-        self.prompt_ids = req.prompt_ids
-        self.output_ids = req.output_ids + path if path else req.output_ids
+        self._req = req
+        self._path = path
+        self.num_output_tokens = len(req.output_ids) + len(path)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self._req.output_ids + self._path
 
     @property
     def fill_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self._req.prompt_ids + self.output_ids
 
 
 class Scheduler:
@@ -174,12 +181,7 @@ class Scheduler:
         if batch is None:
             return out
         self.num_forward_steps += 1
-        if self.spec is None:
-            logits = self.runner.forward(batch.forward)
-        else:
-            logits, feats = self.runner.forward_features(batch.forward, self.spec.capture_layers)
-            assert feats is not None
-            self.spec.store_features(self._new_token_slots(batch.forward), feats)
+        logits = self._forward(batch.forward)
         self._process(batch, logits, out)
         if self.spec is not None:
             # Draft KV for what this prefill added (and, after a cache hit or a
@@ -193,13 +195,20 @@ class Scheduler:
     def _decay_token_ratio(self) -> None:
         self.new_token_ratio = max(self.tuning.min_new_token_ratio, self.new_token_ratio - self.tuning.ratio_decay)
 
-    def _new_token_slots(self, fwd: ForwardInput) -> torch.Tensor:
-        """KV slot of every new token of a forward (row after row, prefix + index)."""
-        q_starts = torch.cumsum(fwd.extend_lens, 0) - fwd.extend_lens
-        local = torch.arange(int(fwd.extend_lens.sum()), device=self.device) - torch.repeat_interleave(
-            q_starts, fwd.extend_lens)
-        pos = local + torch.repeat_interleave(fwd.prefix_lens, fwd.extend_lens)
-        return self.req_table.table[torch.repeat_interleave(fwd.rows, fwd.extend_lens), pos]
+    def _feature_capture(self) -> tuple[tuple[int, ...], torch.Tensor] | None:
+        """(layers, pool): where every target forward stores each new token's draft
+        feature (by KV slot); None when nothing reads features."""
+        return (self.spec.capture_layers, self.spec.features) if self.spec is not None else None
+
+    def _forward(self, fwd: ForwardInput) -> torch.Tensor:
+        """Run the target; store the new tokens' features when something reads them."""
+        capture = self._feature_capture()
+        if capture is None:
+            return self.runner.forward(fwd)
+        logits, feats, slots = self.runner.forward_features(fwd, capture[0])
+        assert feats is not None
+        capture[1][slots] = feats.to(capture[1].dtype)
+        return logits
 
     # ---- prefill ------------------------------------------------------------------
     def _ordered_waiting(self) -> list[Req]:
@@ -424,9 +433,7 @@ class Scheduler:
             self._assign_slots(r, r.kv_len, r.kv_len + spec.room)
         tree = spec.propose(reqs)
         fwd = spec.verify_input(reqs, tree)
-        logits, feats = self.runner.forward_features(fwd, spec.capture_layers)
-        assert feats is not None
-        spec.store_features(self._new_token_slots(fwd), feats)
+        logits = self._forward(fwd)
         nodes = spec.num_draft_tokens
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         # Every node draws the token plain decoding would draw at its output

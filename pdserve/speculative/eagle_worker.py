@@ -106,9 +106,6 @@ class EagleWorker:
         return self.num_emitted_tokens / self.num_verify_rounds if self.num_verify_rounds else 0.0
 
     # ---- feature pool -----------------------------------------------------------
-    def store_features(self, slots: torch.Tensor, features: torch.Tensor) -> None:
-        self.features[slots] = features.to(self.features.dtype)
-
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Slot moves the target KV makes (compaction, forks) apply to the features too."""
         self.features[dst] = self.features[src]
