@@ -75,6 +75,14 @@ def register_buffers(engine: object, layout: KVLayout) -> None:
         engine.register(b.ptr, b.num_slots * b.slot_bytes)  # type: ignore[attr-defined]
 
 
+def split_samples(req: Req) -> list[Req]:
+    """A request's n samples as independent requests. Across the split every sample
+    has its own room: prefill computes each one's first token (its draw is the one
+    a colocated fork would make: sampling noise depends on the sample's seed and
+    position only) and sends it the whole prompt KV; decode runs each on its own."""
+    return [req] + req.pending_forks
+
+
 class PrefillScheduler(Scheduler):
     def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
                  engine: object, tp: TPGroup = TPGroup(), host: str = "127.0.0.1",
@@ -128,18 +136,27 @@ class PrefillScheduler(Scheduler):
             return BufferSpec("features", pool.data_ptr(), pool.shape[0], row)
 
     def add(self, req: Req) -> None:
-        if req.bootstrap_room is None:
-            raise ValueError("bootstrap_room: a prefill server needs the request's bootstrap_room")
-        if req.pending_forks:
-            raise ValueError("n: parallel samples are not supported across prefill/decode yet")
-        if req.bootstrap_room in self._sent:
-            raise ValueError(f"bootstrap_room: {req.bootstrap_room} is already in use by a live request")
+        samples = split_samples(req)
+        rooms = [s.bootstrap_room for s in samples]
+        if any(r is None for r in rooms):
+            raise ValueError("bootstrap_room: a prefill server needs a bootstrap_room for every sample")
+        for room in rooms:
+            if room in self._sent:
+                raise ValueError(f"bootstrap_room: {room} is already in use by a live request")
+        opened: list[int] = []
         try:
-            self.manager.open(req.bootstrap_room)
+            for room in rooms:
+                self.manager.open(room)  # type: ignore[arg-type]
+                opened.append(room)  # type: ignore[arg-type]
         except RoomError as exc:
+            for room in opened:
+                self.manager.abort(room, "another sample's room was refused")
+                self.manager.release(room)
             raise ValueError(f"bootstrap_room: {exc}") from None
-        self._sent[req.bootstrap_room] = 0
-        self.bootstrapping.append(req)
+        req.pending_forks = []  # (only now: if add() raises, the caller fails every sample)
+        for sample in samples:
+            self._sent[sample.bootstrap_room] = 0  # type: ignore[index]
+            self.bootstrapping.append(sample)
 
     @property
     def has_work(self) -> bool:
@@ -280,13 +297,16 @@ class DecodeScheduler(Scheduler):
         self.quarantine: list[tuple[int, torch.Tensor, float]] = []
 
     def add(self, req: Req) -> None:
-        if req.bootstrap_room is None or req.bootstrap_host is None:
-            raise ValueError("bootstrap_room: a decode server needs bootstrap_host / bootstrap_port / bootstrap_room")
-        if req.pending_forks:
-            raise ValueError("n: parallel samples are not supported across prefill/decode yet")
-        url = f"http://{req.bootstrap_host}:{req.bootstrap_port}"
-        peers = self.manager.connect(url, self.fetch_ranks(url))
-        self.queued.append(_Pending(req, peers))
+        samples = split_samples(req)
+        if any(s.bootstrap_room is None or s.bootstrap_host is None for s in samples):
+            raise ValueError("bootstrap_room: a decode server needs bootstrap_host / bootstrap_port / "
+                             "bootstrap_room for every sample")
+        pending = []
+        for sample in samples:
+            url = f"http://{sample.bootstrap_host}:{sample.bootstrap_port}"
+            pending.append(_Pending(sample, self.manager.connect(url, self.fetch_ranks(url))))
+        req.pending_forks = []  # (only now: if add() raises, the caller fails every sample)
+        self.queued += pending
 
     @property
     def has_work(self) -> bool:

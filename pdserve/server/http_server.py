@@ -140,34 +140,45 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         return JSONResponse({"rid": rid, "aborted": found})
 
     # ---- disaggregation fields ---------------------------------------------------------
-    def bootstrap_of(req: Any, n_prompts: int) -> list[tuple[str, int, int]] | None:
-        """Per prompt (host, port, room) for a prefill/decode server; None when colocated."""
+    def bootstrap_of(req: Any, params: list[Any]) -> list[list[tuple[str, int, int]]] | None:
+        """Per prompt, per sample (host, port, room) of its prefill server; None when
+        colocated. Lists carry one value per sample, prompt-major (prompt i's sample j
+        at sum(n of prompts < i) + j), as SGLang's router sends them; scalars apply to
+        all samples (a room only when there is a single sample)."""
         given = [req.bootstrap_host, req.bootstrap_port, req.bootstrap_room]
         if args.disaggregation_mode == "null":
             return None  # a colocated server ignores them, as SGLang's does
         if req.bootstrap_room is None or req.bootstrap_host is None:
             raise ApiError(f"bootstrap_room: a {args.disaggregation_mode} server needs bootstrap_host and "
                            "bootstrap_room (send requests through a PD router)", "bootstrap_room")
+        counts = [p.n for p in params]
+        total = sum(counts)
 
-        def per_prompt(value: Any, name: str) -> list[Any]:
-            if isinstance(value, list):
-                if len(value) != n_prompts:
-                    raise ApiError(f"{name}: {len(value)} values for {n_prompts} prompts (one per prompt; "
-                                   "parallel samples across prefill/decode are not supported yet)", name)
+        def per_sample(value: Any, name: str) -> list[Any]:
+            if not isinstance(value, list):
+                return [value] * total
+            if len(value) == total:
                 return value
-            return [value] * n_prompts
-        hosts, ports, rooms = (per_prompt(v, n) for v, n in zip(
+            raise ApiError(f"{name}: {len(value)} values for {total} samples ({len(counts)} prompts x n); "
+                           "give one per sample", name)
+        hosts, ports, rooms = (per_sample(v, n) for v, n in zip(
             given, ("bootstrap_host", "bootstrap_port", "bootstrap_room")))
-        if n_prompts > 1 and not isinstance(req.bootstrap_room, list):
-            raise ApiError("bootstrap_room: a batch needs one room per prompt", "bootstrap_room")
-        out = []
+        if total > 1 and not isinstance(req.bootstrap_room, list):
+            raise ApiError(f"bootstrap_room: {total} samples need one room each (a list)", "bootstrap_room")
+        if len(set(rooms)) != len(rooms):
+            raise ApiError("bootstrap_room: every sample needs a distinct room", "bootstrap_room")
+        flat = []
         for h, p, r in zip(hosts, ports, rooms):
-            if not 0 <= r < 2**63:
+            if not isinstance(r, int) or not 0 <= r < 2**63:
                 raise ApiError(f"bootstrap_room: must be in [0, 2^63), got {r}", "bootstrap_room")
             port = p if p is not None else args.disaggregation_bootstrap_port
             if not 0 < port <= 65535:
                 raise ApiError(f"bootstrap_port: must be in [1, 65535], got {port}", "bootstrap_port")
-            out.append((h, port, r))
+            flat.append((h, port, r))
+        out, at = [], 0
+        for c in counts:
+            out.append(flat[at: at + c])
+            at += c
         return out
 
     # ---- native /generate -----------------------------------------------------------
@@ -181,7 +192,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
             if req.rid is not None:
                 rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
             job = await manager.submit(prompts, params, req.return_logprob, req.top_logprobs_num, rids,
-                                       bootstrap_of(req, len(prompts)))
+                                       bootstrap_of(req, params))
         except ValueError as exc:
             raise from_value_error(exc) from None
         if req.stream:
@@ -282,7 +293,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         top = req.logprobs or 0
         try:
             job = await manager.submit(prompts, params, req.logprobs is not None, top,
-                                       [req.rid] if req.rid else None, bootstrap_of(req, len(prompts)))
+                                       [req.rid] if req.rid else None, bootstrap_of(req, params))
         except ValueError as exc:
             raise from_value_error(ValueError(str(exc).replace("max_new_tokens", "max_tokens"))) from None
         cid = f"cmpl-{job.states[0].rid}"
@@ -366,7 +377,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         top = req.top_logprobs or 0
         try:
             job = await manager.submit([ids], [params], req.logprobs, top, [req.rid] if req.rid else None,
-                                       bootstrap_of(req, 1))
+                                       bootstrap_of(req, [params]))
         except ValueError as exc:
             raise from_value_error(ValueError(str(exc).replace("max_new_tokens", max_field))) from None
         cid = f"chatcmpl-{job.states[0].rid}"

@@ -118,9 +118,10 @@ class TokenizerManager:
 
     async def submit(self, prompts: list[list[int]], params: list[SamplingParams], return_logprob: bool,
                      top_logprobs_num: int, rids: list[str] | None = None,
-                     bootstrap: list[tuple[str, int, int]] | None = None) -> Job:
-        """``bootstrap``: per prompt (host, port, room) of its prefill server (PD mode)."""
-        """Validate and send every prompt. Raises ValueError on bad input."""
+                     bootstrap: list[list[tuple[str, int, int]]] | None = None) -> Job:
+        """Validate and send every prompt. Raises ValueError on bad input.
+        ``bootstrap``: per prompt, per sample (host, port, room) of its prefill server
+        (PD mode): every sample crosses the split in its own room."""
         self.check_alive()
         b = self.builder
         b.check_logprob_args(return_logprob, top_logprobs_num)
@@ -139,7 +140,8 @@ class TokenizerManager:
         for i, (ids, p) in enumerate(zip(prompts, params)):
             group = b.group(ids, p, return_logprob, top_logprobs_num, rid=rids[i] if rids else None)
             if bootstrap is not None:
-                group[0].bootstrap_host, group[0].bootstrap_port, group[0].bootstrap_room = bootstrap[i]
+                for sample, (host, port, room) in zip(group, bootstrap[i]):
+                    sample.bootstrap_host, sample.bootstrap_port, sample.bootstrap_room = host, port, room
             state = RequestState(group[0].rid, ids, p, [SampleResult(j) for j in range(p.n)], queue)
             states.append(state)
             heads.append(group[0])

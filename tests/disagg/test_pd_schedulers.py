@@ -62,25 +62,26 @@ def run_pair(p, d, ps: list[list[int]], sampling: dict[str, Any] = GREEDY) -> li
     outs: dict[str, list[int]] = {}
     dec_reqs = []
     for i, ids in enumerate(ps):
-        room = random.getrandbits(62) + i
-        rp = builder.group(ids, params, False, 0, rid=f"p{i}")[0]
-        rd = builder.group(ids, params, False, 0, rid=f"d{i}")[0]
-        for r in (rp, rd):
-            r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, room
-        p.add(rp)
-        d.add(rd)
-        dec_reqs.append(rd)
+        gp = builder.group(ids, params, False, 0, rid=f"p{i}")
+        gd = builder.group(ids, params, False, 0, rid=f"d{i}")
+        for rp, rd in zip(gp, gd):  # one room per sample
+            room = random.getrandbits(62) + i
+            for r in (rp, rd):
+                r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, room
+        p.add(gp[0])
+        d.add(gd[0])
+        dec_reqs += gd
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         p.step()
         for r in d.step().finished:
-            outs[r.rid] = r.output_ids
+            outs[(r.rid, r.sample_index)] = r.output_ids
             assert r.finish.kind.value != "abort", r.finish
-        if len(outs) == len(ps) and not p.has_work:
+        if len(outs) == len(dec_reqs) and not p.has_work:
             break
         time.sleep(0.001)  # control messages travel on their own threads
-    assert len(outs) == len(ps), "requests did not finish"
-    return [outs[r.rid] for r in dec_reqs]
+    assert len(outs) == len(dec_reqs), "requests did not finish"
+    return [outs[(r.rid, r.sample_index)] for r in dec_reqs]
 
 
 def pools_full(s) -> None:
@@ -122,6 +123,26 @@ def test_pd_pair_equals_colocated(make_engine, dirs, p_algo, d_algo, extra):
         p.close()
         d.close()
         del fetch
+
+
+@pytest.mark.parametrize("d_algo", [None, "EAGLE"])
+def test_parallel_samples_cross_in_their_own_rooms(make_engine, dirs, d_algo):
+    """n > 1: every sample is handed off in its own room and draws exactly what the
+    colocated server's fork of that sample draws (seeded sampling, not just greedy)."""
+    ps = prompts(3, seed=4)
+    sampling = {"n": 3, "temperature": 1.0, "top_p": 0.9, "seed": 11, "max_new_tokens": 12, "ignore_eos": True}
+    ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=sampling)]
+    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
+    d = sched(DecodeScheduler, dirs, d_algo, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    try:
+        out = run_pair(p, d, ps, sampling)
+        assert out == ref
+        assert len({tuple(o) for o in out}) > len(ps)  # the samples really differ
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
 
 
 def test_incompatible_pairs_are_refused(dirs):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ def dirs(tmp_path_factory):
     return t, build_random_draft(t, root / "e", "EAGLE")
 
 
-async def pd_generate(p: ServerProcess, d: ServerProcess, boot_port: int, body: dict, room: int) -> dict:
+async def pd_generate(p: ServerProcess, d: ServerProcess, boot_port: int, body: dict, room: int | list[int]) -> Any:
     body = dict(body, bootstrap_host="127.0.0.1", bootstrap_port=boot_port, bootstrap_room=room)
     async with httpx.AsyncClient(timeout=120) as c:
         rp, rd = await asyncio.gather(c.post(p.url + "/generate", json=body), c.post(d.url + "/generate", json=body))
@@ -51,6 +52,16 @@ def test_pd_servers_equal_colocated(dirs, make_engine, decode_spec):
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
         if decode_spec:
             assert all(o["meta_info"]["spec_verify_ct"] >= 1 for o in outs)
+        # n > 1 and a batch: one room per sample (prompt-major), as SGLang's router sends them.
+        sampled = {"n": 2, "temperature": 1.0, "seed": 5, "max_new_tokens": 8, "ignore_eos": True}
+        want = make_engine(target).generate(input_ids=prompts[:2], sampling_params=sampled)
+        rooms = [rng.getrandbits(63) for _ in range(4)]
+        got = asyncio.run(pd_generate(p, d, boot, {"input_ids": prompts[:2], "sampling_params": sampled}, rooms))
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+        for bad_room in (rooms[:3], rooms[0], [rooms[0]] * 4):
+            assert_openai_error(d.client.post("/generate", json={
+                "input_ids": prompts[:2], "sampling_params": sampled, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": boot, "bootstrap_room": bad_room}), fields=("bootstrap_room",))
         # Without PD fields a prefill/decode server refuses the request with a 400.
         assert_openai_error(d.client.post("/generate", json={"input_ids": prompts[0], "sampling_params": GREEDY}),
                             fields=("bootstrap_room",))
