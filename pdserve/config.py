@@ -159,8 +159,6 @@ class ServerArgs:
             return
         if self.disaggregation_transfer_backend == "nixl":
             raise bad("disaggregation_transfer_backend", "nixl is not supported yet; use mooncake")
-        if self.tp_size > 1:
-            raise bad("disaggregation_mode", "prefill/decode servers with --tp-size > 1 are not supported yet")
 
     def _validate_speculative(self, bad: Any) -> None:
         shape = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)

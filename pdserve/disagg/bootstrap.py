@@ -114,16 +114,23 @@ class BootstrapServer:
 
 
 def register_rank(bootstrap_url: str, info: protocol.RankInfo, timeout_s: float = 10.0) -> None:
+    """Register a prefill rank; retried until ``timeout_s`` while the registry is not
+    up yet (rank 0 starts it once its model is loaded, other ranks may be quicker)."""
     req = urllib.request.Request(bootstrap_url.rstrip("/") + "/ranks", data=protocol.encode(info), method="PUT",
                                  headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            r.read()
-    except urllib.error.HTTPError as exc:
-        raise BootstrapError(f"bootstrap server {bootstrap_url} refused rank {info.tp_rank}: "
-                             f"{exc.read().decode(errors='replace')}") from None
-    except OSError as exc:
-        raise BootstrapError(f"bootstrap server {bootstrap_url} unreachable: {exc}") from None
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                r.read()
+            return
+        except urllib.error.HTTPError as exc:
+            raise BootstrapError(f"bootstrap server {bootstrap_url} refused rank {info.tp_rank}: "
+                                 f"{exc.read().decode(errors='replace')}") from None
+        except OSError as exc:
+            if time.monotonic() >= end:
+                raise BootstrapError(f"bootstrap server {bootstrap_url} unreachable: {exc}") from None
+            time.sleep(0.1)
 
 
 def fetch_ranks(bootstrap_url: str, deadline_s: float) -> list[protocol.RankInfo]:

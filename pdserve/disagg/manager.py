@@ -169,7 +169,10 @@ class _DecodePeer:
 
 @dataclass
 class _PrefillRoom:
-    request: P.TransferRequest
+    # One transfer request per decode rank (a TP-n decode server sends n); the room
+    # is ready once all of them arrived.
+    requests: dict[str, P.TransferRequest]
+    expected: int
     pending: int = 0                       # queued writes not yet done
     record: P.HandoffRecord | None = None  # set by finish(); sent once pending == 0
     bytes_sent: int = 0
@@ -225,10 +228,21 @@ class PrefillTransferManager(_Side):
             if pr is None or pr.pending or pr.acked:
                 return
             pr.acked = True
-            peer = self._peers.get(pr.request.decode_id)
         state, reason = self.status(room)
-        if peer is not None and state is RoomState.FAILED:
-            self._link.send(peer.handshake.control_addr, P.Abort(room, reason or "failed"))
+        if state is RoomState.FAILED:
+            self._tell(room, P.Abort(room, reason or "failed"))
+
+    def _destinations(self, room: int) -> list[tuple[_DecodePeer, P.TransferRequest]]:
+        """The decode ranks of a room that are still connected, with their requests."""
+        with self._lock:
+            pr = self._rooms.get(room)
+            if pr is None:
+                return []
+            return [(self._peers[d], req) for d, req in pr.requests.items() if d in self._peers]
+
+    def _tell(self, room: int, msg: Any) -> None:
+        for peer, _ in self._destinations(room):
+            self._link.send(peer.handshake.control_addr, msg)
 
     def _handshake(self, hs: P.Handshake) -> None:
         try:
@@ -236,7 +250,8 @@ class PrefillTransferManager(_Side):
             wanted = [n for n in hs.wanted if n != "features"]
             plan = plan_transfer(self.layout, hs.layout, wanted, self.tp_rank, self.head_ranges)
             feature_plan = None
-            if "features" in hs.wanted:
+            if "features" in hs.wanted and self.tp_rank == 0:
+                # Features are the same on every rank (replicated hidden states): rank 0 sends them.
                 feature_plan = self._feature_plan(hs)
         except HandshakeError as exc:
             self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, False, str(exc)))
@@ -265,7 +280,8 @@ class PrefillTransferManager(_Side):
             logger.warning("transfer request for room %d from unknown decode %s", req.room, req.decode_id)
             return
         room = self.rooms.get(req.room)
-        if room is None or room.state.terminal:
+        fresh = room is None or room.state.terminal
+        if fresh:
             # Decode asked before the prefill request arrived: open the room now.
             try:
                 self.rooms.open(req.room)
@@ -273,8 +289,12 @@ class PrefillTransferManager(_Side):
                 self._link.send(peer.handshake.control_addr, P.Abort(req.room, str(exc)))
                 return
         with self._lock:
-            self._rooms[req.room] = _PrefillRoom(req)
-        self.rooms.advance(req.room, RoomState.WAITING_FOR_INPUT)
+            pr = self._rooms.get(req.room)
+            if pr is None or fresh:
+                pr = self._rooms[req.room] = _PrefillRoom({}, peer.handshake.tp_size)
+            pr.requests[req.decode_id] = req
+        if self.rooms.get(req.room).state is RoomState.BOOTSTRAPPING:  # type: ignore[union-attr]
+            self.rooms.advance(req.room, RoomState.WAITING_FOR_INPUT)
 
     def _on_peer_dead(self, addr: str) -> None:
         with self._lock:
@@ -282,7 +302,7 @@ class PrefillTransferManager(_Side):
             if decode_id is None:
                 return
             self._peers.pop(decode_id, None)
-            rooms = [r for r, pr in self._rooms.items() if pr.request.decode_id == decode_id]
+            rooms = [r for r, pr in self._rooms.items() if decode_id in pr.requests]
         self.rooms.fail_all(f"decode server {addr} stopped answering heartbeats", "peer_dead", rooms)
 
     # ---- scheduler-facing ----------------------------------------------------------
@@ -296,7 +316,8 @@ class PrefillTransferManager(_Side):
     def ready(self, room: int) -> bool:
         """Decode said where the KV goes: the prefill may send."""
         with self._lock:
-            known = room in self._rooms
+            pr = self._rooms.get(room)
+            known = pr is not None and len(pr.requests) >= pr.expected
         r = self.rooms.get(room)
         return known and r is not None and r.state in (RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING)
 
@@ -324,21 +345,13 @@ class PrefillTransferManager(_Side):
 
     def abort(self, room: int, reason: str) -> None:
         if self.rooms.fail(room, reason, "aborted"):
-            with self._lock:
-                pr = self._rooms.get(room)
-                peer = self._peers.get(pr.request.decode_id) if pr else None
-            if peer is not None:
-                self._link.send(peer.handshake.control_addr, P.Abort(room, reason))
+            self._tell(room, P.Abort(room, reason))
 
     def expire(self) -> list[int]:
         """Fail rooms past their deadline; tell their decode servers."""
         failed = self.rooms.expire()
         for r in failed:
-            with self._lock:
-                pr = self._rooms.get(r.room)
-                peer = self._peers.get(pr.request.decode_id) if pr else None
-            if peer is not None:
-                self._link.send(peer.handshake.control_addr, P.Abort(r.room, r.reason or "timeout"))
+            self._tell(r.room, P.Abort(r.room, r.reason or "timeout"))
         return [r.room for r in failed]
 
     # ---- transfer thread ------------------------------------------------------------
@@ -361,26 +374,29 @@ class PrefillTransferManager(_Side):
     def _write(self, room: int, src_slots: list[int], first: int) -> None:
         with self._lock:
             pr = self._rooms.get(room)
-            peer = self._peers.get(pr.request.decode_id) if pr else None
-        if pr is None or peer is None:
+        if pr is None:
             return
         try:
             state, _ = self.status(room)
             if state is RoomState.FAILED:
                 return
-            dst = pr.request.dst_slots[first: first + len(src_slots)]
-            if len(dst) != len(src_slots):
-                raise TransferError(f"positions {first}..{first + len(src_slots)} exceed the "
-                                    f"{len(pr.request.dst_slots)} slots decode reserved")
-            t0 = time.perf_counter()
-            batch = peer.plan.writes(src_slots, dst)
-            if pr.request.want_features and peer.feature_plan is not None:
-                extra = peer.feature_plan.writes(src_slots, dst)
-                batch = type(batch)(batch.src + extra.src, batch.dst + extra.dst, batch.lengths + extra.lengths)
-            self.engine.write(peer.handshake.session_id, batch)
-            self.transfer_seconds += time.perf_counter() - t0
-            self.bytes_sent += batch.nbytes
-            pr.bytes_sent += batch.nbytes
+            for peer, request in self._destinations(room):
+                dst = request.dst_slots[first: first + len(src_slots)]
+                if len(dst) != len(src_slots):
+                    raise TransferError(f"positions {first}..{first + len(src_slots)} exceed the "
+                                        f"{len(request.dst_slots)} slots decode reserved")
+                t0 = time.perf_counter()
+                batch = peer.plan.writes(src_slots, dst)
+                if request.want_features and peer.feature_plan is not None:
+                    extra = peer.feature_plan.writes(src_slots, dst)
+                    batch = type(batch)(batch.src + extra.src, batch.dst + extra.dst,
+                                        batch.lengths + extra.lengths)
+                if not batch.src:
+                    continue  # this decode rank needs none of our heads
+                self.engine.write(peer.handshake.session_id, batch)
+                self.transfer_seconds += time.perf_counter() - t0
+                self.bytes_sent += batch.nbytes
+                pr.bytes_sent += batch.nbytes
         finally:
             with self._lock:
                 pr.pending -= 1
@@ -402,19 +418,15 @@ class PrefillTransferManager(_Side):
             if pr is None or pr.record is None or pr.pending:
                 return
             record, pr.record = pr.record, None
-            peer = self._peers.get(pr.request.decode_id)
         state, _ = self.status(room)
-        if state is not RoomState.TRANSFERRING or peer is None:
-            return
-        self._link.send(peer.handshake.control_addr, P.HandoffRecord(**{**record.__dict__, "sender": self._link.addr}))
+        dests = self._destinations(room)
+        if state is not RoomState.TRANSFERRING or len(dests) < pr.expected:
+            return  # a decode rank went away: the room fails through its heartbeat
+        self._tell(room, P.HandoffRecord(**{**record.__dict__, "sender": self._link.addr}))
         self.rooms.advance(room, RoomState.SUCCESS)
 
     def _notify_failure(self, room: int, reason: str) -> None:
-        with self._lock:
-            pr = self._rooms.get(room)
-            peer = self._peers.get(pr.request.decode_id) if pr else None
-        if peer is not None:
-            self._link.send(peer.handshake.control_addr, P.Abort(room, reason))
+        self._tell(room, P.Abort(room, reason))
 
     def close(self) -> None:
         self._work.put(None)
@@ -454,8 +466,43 @@ class DecodeTransferManager(_Side):
         self._handshakes: dict[str, threading.Event] = {}
         self._handshake_error: dict[str, str] = {}
         self._connected: dict[str, list[_PrefillPeer]] = {}   # bootstrap url -> prefill ranks
+        self._attempts: dict[str, tuple[str, str]] = {}        # bootstrap url -> (state, failure reason)
         self._lock = threading.Lock()
         self._link = _Link(host, f"decode{tp_rank}", cfg, self._on_message, self._on_peer_dead)
+
+    def request_connect(self, bootstrap_url: str, fetch_ranks: Callable[[], Sequence[P.RankInfo]]) -> None:
+        """Start connecting to a prefill server in the background (the scheduler loop
+        never waits on a remote server): fetch its ranks from the bootstrap server,
+        then handshake with each. A failed attempt is retried by the next request."""
+        with self._lock:
+            if bootstrap_url in self._connected:
+                return
+            attempt = self._attempts.get(bootstrap_url)
+            if attempt is not None and attempt[0] == "pending":
+                return
+            self._attempts[bootstrap_url] = ("pending", "")
+
+        def run() -> None:
+            try:
+                self.connect(bootstrap_url, fetch_ranks())
+                result = ("ok", "")
+            except Exception as exc:  # reported to every request waiting on this server
+                result = ("failed", f"cannot reach the prefill server at {bootstrap_url}: {exc}")
+            with self._lock:
+                self._attempts[bootstrap_url] = result
+
+        threading.Thread(target=run, name=f"decode{self.tp_rank}-connect", daemon=True).start()
+
+    def connection(self, bootstrap_url: str) -> tuple[str, list[_PrefillPeer] | str]:
+        """("ok", peers), ("pending", "") or ("failed", reason) for a prefill server."""
+        with self._lock:
+            peers = self._connected.get(bootstrap_url)
+            if peers is not None:
+                return "ok", peers
+            state, reason = self._attempts.get(bootstrap_url, ("failed", f"not connecting to {bootstrap_url}"))
+            if state == "ok":  # connected, then its peer died: connect again
+                return "failed", f"lost the prefill server at {bootstrap_url}"
+            return state, reason
 
     def connect(self, bootstrap_url: str, ranks: Sequence[P.RankInfo]) -> list[_PrefillPeer]:
         """Handshake with every prefill rank of one prefill server (blocking, once)."""

@@ -23,6 +23,7 @@ never need to agree on draft layers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -36,7 +37,7 @@ from pdserve.disagg import protocol as P
 from pdserve.disagg.layout import (PROTOCOL_VERSION, BufferSpec, CompatRecord, HandshakeError, KVLayout,
                                    kv_head_range)
 from pdserve.disagg.bootstrap import BootstrapServer
-from pdserve.disagg.manager import DecodeTransferManager, LinkConfig, PrefillTransferManager, _PrefillPeer
+from pdserve.disagg.manager import DecodeTransferManager, LinkConfig, PrefillTransferManager
 from pdserve.disagg.rooms import RoomError, RoomState
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
@@ -73,6 +74,18 @@ def kv_layout(sched: Scheduler, with_features: bool) -> KVLayout:
 def register_buffers(engine: object, layout: KVLayout) -> None:
     for b in layout.buffers:
         engine.register(b.ptr, b.num_slots * b.slot_bytes)  # type: ignore[attr-defined]
+
+
+# A room's condition as each TP rank sees it; ranks act on the minimum over ranks, so
+# a request moves on only when every rank is ready and fails when any rank failed
+# (the ranks' schedulers must stay identical: they share no other state).
+FAILED, WAITING, DONE = 0, 1, 2
+
+
+def agree(tp: TPGroup, codes: list[int]) -> list[int]:
+    if not tp.enabled or not codes:
+        return codes
+    return tp.all_reduce_min(torch.tensor(codes, dtype=torch.int64)).tolist()
 
 
 def split_samples(req: Req) -> list[Req]:
@@ -168,15 +181,16 @@ class PrefillScheduler(Scheduler):
         for room in self.manager.rooms.ended():
             if room not in self._sent:  # opened by decode's request alone, then aborted or expired
                 self.manager.release(room)
-        for req in list(self.bootstrapping):
-            state, reason = self.manager.status(req.bootstrap_room)  # type: ignore[arg-type]
-            if state is RoomState.FAILED:
+        booting, inflight = list(self.bootstrapping), list(self.inflight)
+        codes = agree(self.tp, [self._ready_code(r) for r in booting] + [self._room_code(r) for r in inflight])
+        for req, code in zip(booting, codes):
+            if code == FAILED:
                 self.bootstrapping.remove(req)
-                self._fail(req, reason, out)
-            elif self.manager.ready(req.bootstrap_room):  # type: ignore[arg-type]
+                self._fail(req, self._reason(req), out)
+            elif code == DONE:
                 self.bootstrapping.remove(req)
                 self.waiting.append(req)
-        self._check_inflight(out)
+        self._check_inflight(inflight, codes[len(booting):], out)
         batch = self._schedule_prefill(out)
         if batch is None:
             return out
@@ -221,20 +235,41 @@ class PrefillScheduler(Scheduler):
         self.manager.finish(room, record)
         self.inflight.append(req)
 
-    def _check_inflight(self, out: StepOutput) -> None:
-        for req in list(self.inflight):
-            state, reason = self.manager.status(req.bootstrap_room)  # type: ignore[arg-type]
-            if state is RoomState.SUCCESS:
+    def _ready_code(self, req: Req) -> int:
+        room = req.bootstrap_room
+        assert room is not None
+        if self.manager.status(room)[0] is RoomState.FAILED:
+            return FAILED
+        return DONE if self.manager.ready(room) else WAITING
+
+    def _room_code(self, req: Req) -> int:
+        state = self.manager.status(req.bootstrap_room)[0]  # type: ignore[arg-type]
+        return {RoomState.SUCCESS: DONE, RoomState.FAILED: FAILED}.get(state, WAITING)
+
+    def _reason(self, req: Req) -> str:
+        """Why a room failed: this rank's reason, or (when another TP rank's transfer
+        failed) a generic one; the room is failed here too so decode hears of it."""
+        room = req.bootstrap_room
+        assert room is not None
+        state, reason = self.manager.status(room)
+        if state is not RoomState.FAILED:
+            reason = "KV transfer failed on another tensor-parallel rank"
+            self.manager.abort(room, reason)
+        return reason or "transfer failed"
+
+    def _check_inflight(self, inflight: list[Req], codes: list[int], out: StepOutput) -> None:
+        for req, code in zip(inflight, codes):
+            if code == DONE:
                 self.inflight.remove(req)
                 out.finished += self._finish(req, FinishReason(FinishKind.LENGTH))
                 out.advanced.append(req)
                 self._forget(req)
-            elif state is RoomState.FAILED:
+            elif code == FAILED:
                 self.inflight.remove(req)
-                self._fail(req, reason, out)
+                self._fail(req, self._reason(req), out)
 
-    def _fail(self, req: Req, reason: str | None, out: StepOutput) -> None:
-        out.finished += self._finish(req, FinishReason(FinishKind.ABORT, message=reason or "transfer failed",
+    def _fail(self, req: Req, reason: str, out: StepOutput) -> None:
+        out.finished += self._finish(req, FinishReason(FinishKind.ABORT, message=reason,
                                                        server_error=True))
         self._forget(req)
 
@@ -276,7 +311,7 @@ class PrefillScheduler(Scheduler):
 @dataclass
 class _Pending:
     req: Req
-    peers: list[_PrefillPeer]
+    url: str   # its prefill server's bootstrap address (connected in the background)
 
 
 class DecodeScheduler(Scheduler):
@@ -301,12 +336,11 @@ class DecodeScheduler(Scheduler):
         if any(s.bootstrap_room is None or s.bootstrap_host is None for s in samples):
             raise ValueError("bootstrap_room: a decode server needs bootstrap_host / bootstrap_port / "
                              "bootstrap_room for every sample")
-        pending = []
+        req.pending_forks = []
         for sample in samples:
             url = f"http://{sample.bootstrap_host}:{sample.bootstrap_port}"
-            pending.append(_Pending(sample, self.manager.connect(url, self.fetch_ranks(url))))
-        req.pending_forks = []  # (only now: if add() raises, the caller fails every sample)
-        self.queued += pending
+            self.manager.request_connect(url, functools.partial(self.fetch_ranks, url))
+            self.queued.append(_Pending(sample, url))
 
     @property
     def has_work(self) -> bool:
@@ -315,21 +349,47 @@ class DecodeScheduler(Scheduler):
     def step(self) -> StepOutput:
         out = StepOutput()
         self.manager.expire()
-        self._release_quarantine()
-        self._admit_transfers(out)
-        self._check_transfers(out)
+        queued, transferring, quarantine = list(self.queued), list(self.transferring), list(self.quarantine)
+        codes = agree(self.tp, [self._connect_code(p) for p in queued] +
+                      [self._transfer_code(r) for r in transferring] + [self._quarantine_code(q) for q in quarantine])
+        nq, nt = len(queued), len(transferring)
+        self._release_quarantine(quarantine, codes[nq + nt:])
+        self._check_transfers(transferring, codes[nq: nq + nt], out)
+        self._admit_transfers(queued, codes[:nq], out)
         if self.running:
             inner = super().step()
             out.advanced += inner.advanced
             out.finished += inner.finished
         return out
 
-    def _admit_transfers(self, out: StepOutput) -> None:
+    def _connect_code(self, pending: _Pending) -> int:
+        state = self.manager.connection(pending.url)[0]
+        return {"ok": DONE, "failed": FAILED}.get(state, WAITING)
+
+    def _transfer_code(self, req: Req) -> int:
+        state = self.manager.poll(req.bootstrap_room)[0]  # type: ignore[arg-type]
+        return {RoomState.SUCCESS: DONE, RoomState.FAILED: FAILED}.get(state, WAITING)
+
+    def _quarantine_code(self, item: tuple[int, torch.Tensor, float]) -> int:
+        room, _, deadline = item
+        return DONE if self.manager.safe_to_free(room) or time.monotonic() > deadline else WAITING
+
+    def _admit_transfers(self, queued: list[_Pending], codes: list[int], out: StepOutput) -> None:
         """Reserve KV for queued requests (prompt + growth) and ask for their KV."""
         ps = self.page_size
         reserve = self._growth_reserve(self.running + self.transferring)
-        for pending in list(self.queued):
+        for pending, code in zip(queued, codes):
             req = pending.req
+            if code == FAILED:
+                state, reason = self.manager.connection(pending.url)
+                self.queued.remove(pending)
+                out.finished += self._finish(req, FinishReason(
+                    FinishKind.ABORT, message=str(reason) if state == "failed" else
+                    f"cannot reach the prefill server at {pending.url} (on another tensor-parallel rank)",
+                    server_error=True))
+                continue
+            if code == WAITING:
+                continue  # still connecting; the requests behind it may go first
             n = len(req.prompt_ids)
             need = _pages_for(n, ps)
             growth = self._growth_reserve([req])
@@ -350,44 +410,47 @@ class DecodeScheduler(Scheduler):
             req.kv_len = n
             reserve += growth
             slots = self.req_table.table[req.row, :n].tolist()
-            self.manager.add_room(req.bootstrap_room, pending.peers, slots,  # type: ignore[arg-type]
+            peers = self.manager.connection(pending.url)[1]
+            assert isinstance(peers, list)  # every rank reported the connection up
+            self.manager.add_room(req.bootstrap_room, peers, slots,  # type: ignore[arg-type]
                                   want_features=self.spec is not None)
             self.transferring.append(req)
 
-    def _check_transfers(self, out: StepOutput) -> None:
-        for req in list(self.transferring):
-            state, record, reason = self.manager.poll(req.bootstrap_room)  # type: ignore[arg-type]
-            if state is RoomState.SUCCESS and record is not None:
+    def _check_transfers(self, transferring: list[Req], codes: list[int], out: StepOutput) -> None:
+        for req, code in zip(transferring, codes):
+            room = req.bootstrap_room
+            assert room is not None
+            state, record, reason = self.manager.poll(room)
+            if code == DONE:
+                assert record is not None
                 self.transferring.remove(req)
-                self.manager.release(req.bootstrap_room)  # type: ignore[arg-type]
+                self.manager.release(room)
                 self._commit(req, record, out)
-            elif state is RoomState.FAILED:
+            elif code == FAILED:
+                if state is not RoomState.FAILED:  # another rank's transfer failed
+                    reason = "KV transfer failed on another tensor-parallel rank"
+                    self.manager.abort(room, reason)
                 self.transferring.remove(req)
                 out.finished += self._retire(req, reason or "transfer failed")
 
     def _retire(self, req: Req, reason: str, server_error: bool = True) -> list[Req]:
         """Finish a request whose transfer failed. Its pages stay out of use (quarantined)
-        until prefill confirms no write to them is left in flight, or the transfer
-        deadline passes: a late write must never land in another request's KV."""
+        until prefill confirms no write to them is left in flight (on every rank), or the
+        transfer deadline passes: a late write must never land in another request's KV."""
         room = req.bootstrap_room
         assert room is not None and req.row is not None
-        if not self.manager.safe_to_free(room):
-            ps = self.page_size
-            pages = self.req_table.table[req.row, : req.kv_len: ps].cpu() // ps
-            self.allocator.retain(pages)
-            self.quarantine.append((room, pages, time.monotonic() + self.args.disaggregation_transfer_timeout))
-        else:
-            self.manager.release(room)
+        ps = self.page_size
+        pages = self.req_table.table[req.row, : req.kv_len: ps].cpu() // ps
+        self.allocator.retain(pages)
+        self.quarantine.append((room, pages, time.monotonic() + self.args.disaggregation_transfer_timeout))
         return self._finish(req, FinishReason(FinishKind.ABORT, message=reason, server_error=server_error))
 
-    def _release_quarantine(self) -> None:
-        now = time.monotonic()
-        for item in list(self.quarantine):
-            room, pages, deadline = item
-            if self.manager.safe_to_free(room) or now > deadline:
+    def _release_quarantine(self, quarantine: list[tuple[int, torch.Tensor, float]], codes: list[int]) -> None:
+        for item, code in zip(quarantine, codes):
+            if code == DONE:
                 self.quarantine.remove(item)
-                self.allocator.release(pages)
-                self.manager.release(room)
+                self.allocator.release(item[1])
+                self.manager.release(item[0])
 
     def _commit(self, req: Req, record: P.HandoffRecord, out: StepOutput) -> None:
         req.cached_tokens = record.cached_tokens

@@ -120,7 +120,7 @@ def build_disagg_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: C
     if tp.rank == 0:
         sched.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
     register_rank(f"http://{args.host}:{args.disaggregation_bootstrap_port}",
-                  sched.manager.rank_info(tp.size, args.host))
+                  sched.manager.rank_info(tp.size, args.host), args.disaggregation_bootstrap_timeout)
     return sched
 
 

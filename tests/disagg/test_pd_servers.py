@@ -104,3 +104,31 @@ def test_300_concurrent_requests_over_1p1d_lose_nothing(dirs, make_engine):
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.parametrize("p_tp,d_tp,decode_spec", [(1, 2, False), (2, 1, False), (2, 1, True)],
+                         ids=["p-tp1-d-tp2", "p-tp2-d-tp1", "p-tp2-d-tp1-eagle"])
+def test_heterogeneous_tensor_parallel_pairs(dirs, make_engine, p_tp, d_tp, decode_spec):
+    """Prefill and decode shard the KV heads differently: each prefill rank writes the
+    heads it holds into the decode rank that holds them (GQA, 2 KV heads); page size 16
+    and chunked prefill; outputs equal the colocated single-rank engine."""
+    target, draft = dirs
+    rng = random.Random(21)
+    prompts = [[rng.randrange(6, 90) for _ in range(rng.randrange(5, 70))] for _ in range(5)]
+    ref = make_engine(target).generate(input_ids=prompts, sampling_params=GREEDY)
+    boot = free_port()
+    p = ServerProcess(target, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
+                      "--tp-size", str(p_tp), "--page-size", "16", "--chunked-prefill-size", "32")
+    extra = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft)] if decode_spec else []
+    d = ServerProcess(target, "--disaggregation-mode", "decode", "--tp-size", str(d_tp), "--page-size", "16", *extra)
+    try:
+        async def run_all():
+            return await asyncio.gather(*[pd_generate(p, d, boot, {"input_ids": ids, "sampling_params": GREEDY},
+                                                      room=rng.getrandbits(63)) for ids in prompts])
+        outs = asyncio.run(run_all())
+        assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
+        p.assert_pools_full()
+        d.assert_pools_full()
+    finally:
+        d.close()
+        p.close()
