@@ -1,0 +1,291 @@
+"""The router's HTTP front: the servers' OpenAI and native routes in front of the
+workers, plus health, aggregated server info, metrics and aborts.
+
+The router does not validate requests beyond "a JSON object without the fields the
+router owns": the workers validate, and their verdict (status and body) is passed
+through unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import error_body
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import make_policy
+from pdserve.router.proxy import Proxy, Reply, StreamSession
+from pdserve.router.rooms import ROUTER_FIELDS
+from pdserve.router.workers import Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+INFO_TIMEOUT_S = 5.0
+
+
+def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        kind = "authentication_error"
+    return JSONResponse(error_body(message, kind, param, status), status_code=status)
+
+
+class _ApiKey:
+    """Pure ASGI (not BaseHTTPMiddleware, which would wrap `receive` and hide client
+    disconnects from the routes): every route but /health needs the key."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") != "/health":
+            if dict(scope.get("headers") or ()).get(b"authorization") != self.expected:
+                await _error("invalid or missing API key", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _SessionResponse(StreamingResponse):
+    """Streams a session and closes it however the response ends: the end of the
+    stream, a client disconnect (Starlette cancels the streaming task), or shutdown."""
+
+    def __init__(self, session: StreamSession) -> None:
+        super().__init__(session.events(), media_type="text/event-stream")
+        self.session = session
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.session.close()
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Run `work` unless the client goes away first (then cancel it: cancelling a request
+    aborts its legs). Returns (completed, result)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        watcher.cancel()
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
+class Router:
+    """Everything one router app owns (no module-level state)."""
+
+    def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None,
+                 randbits: Callable[[int], int]) -> None:
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.worker_headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        # keepalive_expiry below the servers' (uvicorn's) 5 s keep-alive: the router never
+        # reuses a connection the worker may be closing, which would look like a dead worker.
+        self.client = httpx.AsyncClient(
+            transport=transport, timeout=httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=2.0))
+        self.registry = WorkerRegistry(cfg.all_workers, self.client, interval=cfg.health_check_interval,
+                                       timeout=cfg.health_check_timeout)
+        policy_args = dict(threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
+                           max_tree_size=cfg.max_tree_size)
+        pd = cfg.pd_disaggregation
+        self.proxy = Proxy(self.registry, self.client, self.metrics, pd=pd,
+                           prefill_policy=make_policy(cfg.prefill_policy, **policy_args) if pd else None,
+                           decode_policy=make_policy(cfg.decode_policy if pd else cfg.policy, **policy_args),
+                           retries=cfg.retries, headers=self.worker_headers, randbits=randbits)
+        self.roles = ("prefill", "decode") if pd else ("plain",)
+
+    async def start(self) -> None:
+        await self.registry.probe_all()  # /health is right from the first request on
+        self.registry.start()
+
+    async def close(self) -> None:
+        await self.registry.close()
+        await self.proxy.close()
+        await self.client.aclose()
+
+    def missing_roles(self) -> list[str]:
+        return [r for r in self.roles if not self.registry.healthy(r)]
+
+    async def worker_info(self, w: Worker) -> dict[str, Any]:
+        try:
+            r = await self.client.get(w.url + "/get_server_info", headers=self.worker_headers,
+                                      timeout=INFO_TIMEOUT_S)
+            info = r.json() if r.status_code == 200 else {"error": f"HTTP {r.status_code}: {r.text[:300]}"}
+        except (httpx.HTTPError, ValueError) as exc:
+            info = {"error": f"{type(exc).__name__}: {exc}"}
+        return {**info, **w.describe()}
+
+
+def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None,
+               randbits: Callable[[int], int] = secrets.randbits) -> FastAPI:
+    router = Router(cfg, transport, randbits)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.router = router
+    if cfg.api_key:
+        app.add_middleware(_ApiKey, key=cfg.api_key)
+    metrics, proxy, registry = router.metrics, router.proxy, router.registry
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(str(exc.detail), exc.status_code)
+
+    # ---- generation -------------------------------------------------------------------
+    async def generation(route: str, request: Request) -> Response:
+        arrived = time.perf_counter()
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            metrics.errors.labels("bad_request").inc()
+            metrics.requests.labels(route, "client_error").inc()
+            return _error("body: malformed JSON", 400, "body")
+        if not isinstance(body, dict):
+            metrics.errors.labels("bad_request").inc()
+            metrics.requests.labels(route, "client_error").inc()
+            return _error("body: must be a JSON object", 400, "body")
+        if cfg.pd_disaggregation:
+            for name in ROUTER_FIELDS:
+                if body.get(name) is not None:
+                    metrics.errors.labels("bad_request").inc()
+                    metrics.requests.labels(route, "client_error").inc()
+                    return _error(f"{name}: is set by the router (one room per sample); do not send it", 400, name)
+        if body.get("stream") is True:
+            completed, opened = await _until_disconnect(request, proxy.open_stream(route, body, arrived))
+            if isinstance(opened, StreamSession):
+                return _SessionResponse(opened)
+        else:
+            completed, opened = await _until_disconnect(request, proxy.unary(route, body))
+        metrics.e2e.labels(route).observe(time.perf_counter() - arrived)
+        if not completed or opened is None:
+            metrics.errors.labels("client_disconnect").inc()
+            metrics.requests.labels(route, "client_disconnect").inc()
+            return Response(status_code=499)  # nobody is listening any more
+        reply: Reply = opened  # type: ignore[assignment]
+        outcome = "success" if reply.status < 400 else ("client_error" if reply.status < 500 else "server_error")
+        metrics.requests.labels(route, outcome).inc()
+        return Response(reply.content, status_code=reply.status, media_type=reply.media_type)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await generation("/generate", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation("/v1/chat/completions", request)
+
+    # ---- service routes ---------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        missing = router.missing_roles()
+        if missing:
+            return _error(f"no healthy {' and no healthy '.join(missing)} worker", 503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await _from_answering_worker("/v1/models")
+
+    @app.get("/get_model_info")
+    async def model_info() -> Response:
+        return await _from_answering_worker("/get_model_info")
+
+    async def _from_answering_worker(path: str) -> Response:
+        """A read-only route every worker answers alike: ask a healthy decode worker."""
+        role = router.roles[-1]
+        for w in registry.healthy(role):
+            try:
+                r = await router.client.get(w.url + path, headers=router.worker_headers, timeout=INFO_TIMEOUT_S)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type", "application/json"))
+        return _error(f"no healthy {role} worker answered {path}", 503)
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        infos = await asyncio.gather(*(router.worker_info(w) for w in registry.workers))
+        out: dict[str, Any] = {r: [i for i in infos if i["role"] == r] for r in router.roles}
+        decodes = out[router.roles[-1]]
+        accept = [d["avg_spec_accept_length"] for d in decodes if isinstance(d.get("avg_spec_accept_length"),
+                                                                             (int, float))]
+        # SGLang's bench reads this (PD: server_info["decode"][0]); the mean over decodes.
+        out["avg_spec_accept_length"] = sum(accept) / len(accept) if accept else None
+        out["router"] = {"mode": "pd" if cfg.pd_disaggregation else "plain", "healthy": not router.missing_roles(),
+                         "prefill_policy": cfg.prefill_policy if cfg.pd_disaggregation else None,
+                         "decode_policy": cfg.decode_policy if cfg.pd_disaggregation else cfg.policy,
+                         "retries": cfg.retries, "health_check_interval": cfg.health_check_interval,
+                         "in_flight_requests": len(proxy.active)}
+        return out
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(registry.workers), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return _error("body: malformed JSON", 400, "body")
+        rid = body.get("rid") if isinstance(body, dict) else None
+        if not isinstance(rid, str):
+            return _error("rid: must be a string", 400, "rid")
+        return JSONResponse({"rid": rid, "aborted": await proxy.abort_by_rid(rid)})
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        """Flush every healthy worker; 200 only if all of them flushed."""
+        async def one(w: Worker) -> str | None:
+            try:
+                r = await router.client.post(w.url + "/flush_cache", headers=router.worker_headers,
+                                             timeout=INFO_TIMEOUT_S)
+                return None if r.status_code == 200 else f"{w.url}: {r.status_code} {r.text.strip()}"
+            except httpx.HTTPError as exc:
+                return f"{w.url}: {type(exc).__name__}"
+        failed = [f for f in await asyncio.gather(*(one(w) for w in registry.workers if w.healthy)) if f]
+        if failed:
+            return _error("flush_cache: not flushed on " + "; ".join(failed), 400)
+        return Response("Cache flushed.\n", status_code=200)
+
+    return app

@@ -1,0 +1,198 @@
+"""Router configuration: one frozen dataclass, parsed from flags named as in SGLang's router.
+
+    python -m pdserve.router --pd-disaggregation \\
+        --prefill http://p0:30001 8998 --prefill http://p1:30001 \\
+        --decode http://d0:30002 --decode http://d1:30002 --host 0.0.0.0 --port 8000
+
+or, in front of colocated servers (plain load balancing, no bootstrap fields):
+
+    python -m pdserve.router --worker-urls http://s0:30000 http://s1:30000
+
+Every mistake is a `ConfigError` whose message starts with the flag it is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+DEFAULT_BOOTSTRAP_PORT = 8998  # the servers' --disaggregation-bootstrap-port default
+POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
+ROLES = ("prefill", "decode", "plain")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    url: str                   # normalised: scheme://host:port, no trailing slash
+    role: str                  # "prefill", "decode" or "plain" (a colocated server)
+    bootstrap_port: int | None = None  # prefill only; None: let the servers use their default
+
+    @property
+    def host(self) -> str:
+        """What decode is told to bootstrap from: the prefill URL's host."""
+        return urlsplit(self.url).hostname or ""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[WorkerSpec, ...] = ()
+    decode: tuple[WorkerSpec, ...] = ()
+    workers: tuple[WorkerSpec, ...] = ()   # plain mode
+    pd_disaggregation: bool = True
+    host: str = "127.0.0.1"
+    port: int = 30000
+    prefill_policy: str = "round_robin"
+    decode_policy: str = "round_robin"
+    policy: str = "round_robin"             # plain mode
+    health_check_interval: float = 1.0
+    health_check_timeout: float = 1.0
+    retries: int = 1
+    request_timeout: float = 1800.0
+    connect_timeout: float = 2.0
+    api_key: str | None = None
+    # cache_aware: route to the worker whose cached prefix covers more than this share
+    # of the request, unless it has more than balance_abs_threshold requests in flight
+    # above the least loaded worker.
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 32
+    max_tree_size: int = 1 << 22             # elements (chars or token ids) kept per tree
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.pd_disaggregation:
+            if not self.prefill:
+                raise ConfigError("--prefill: PD mode needs at least one prefill server")
+            if not self.decode:
+                raise ConfigError("--decode: PD mode needs at least one decode server")
+            if self.workers:
+                raise ConfigError("--worker-urls: plain workers cannot be mixed with --pd-disaggregation")
+        else:
+            if self.prefill or self.decode:
+                raise ConfigError("--pd-disaggregation: --prefill/--decode need --pd-disaggregation")
+            if not self.workers:
+                raise ConfigError("--worker-urls: give the servers to route to (or --pd-disaggregation "
+                                  "with --prefill/--decode)")
+        urls = [w.url for w in self.all_workers]
+        dup = next((u for u in urls if urls.count(u) > 1), None)
+        if dup is not None:
+            raise ConfigError(f"--prefill/--decode: {dup} is listed twice")
+        for name in ("prefill_policy", "decode_policy", "policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ConfigError(f"--{name.replace('_', '-')}: {getattr(self, name)!r} is not one of "
+                                  f"{', '.join(POLICIES)}")
+        if self.decode_policy == "cache_aware":
+            # Decode's KV comes from prefill: prefix affinity means nothing there.
+            raise ConfigError("--decode-policy: cache_aware only applies to prefill (decode has no prefix cache "
+                              "to aim at); use round_robin, random or power_of_two")
+        positive = ("health_check_interval", "health_check_timeout", "request_timeout", "connect_timeout")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(self, name)}")
+        if self.retries < 0:
+            raise ConfigError(f"--retries: must be >= 0, got {self.retries}")
+        if not 0 < self.port <= 65535:
+            raise ConfigError(f"--port: must be in [1, 65535], got {self.port}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ConfigError(f"--cache-threshold: must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0:
+            raise ConfigError(f"--balance-abs-threshold: must be >= 0, got {self.balance_abs_threshold}")
+        if self.max_tree_size < 1:
+            raise ConfigError(f"--max-tree-size: must be >= 1, got {self.max_tree_size}")
+
+    @property
+    def all_workers(self) -> tuple[WorkerSpec, ...]:
+        return self.prefill + self.decode + self.workers
+
+
+def normalise_url(url: str, flag: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{flag}: {url!r} is not an http(s)://host:port URL")
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(f"{flag}: {url!r} has an invalid port") from None
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"{flag}: {url!r} must be a server's base URL (no path or query)")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _prefill_spec(values: Sequence[str]) -> WorkerSpec:
+    if not 1 <= len(values) <= 2:
+        raise ConfigError(f"--prefill: expected URL [BOOTSTRAP_PORT], got {' '.join(values)!r}")
+    url = normalise_url(values[0], "--prefill")
+    port: int | None = DEFAULT_BOOTSTRAP_PORT
+    if len(values) == 2:
+        if values[1].lower() == "none":
+            port = None  # SGLang's spelling for "the server's own default"
+        else:
+            try:
+                port = int(values[1])
+            except ValueError:
+                raise ConfigError(f"--prefill: bootstrap port {values[1]!r} of {url} is not an integer") from None
+            if not 0 < port <= 65535:
+                raise ConfigError(f"--prefill: bootstrap port {port} of {url} is not in [1, 65535]")
+    return WorkerSpec(url, "prefill", port)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse's messages already name the flag
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m pdserve.router", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pd-disaggregation", action="store_true",
+                    help="route each request to a prefill and a decode server")
+    ap.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+                    help=f"a prefill server and its bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}; "
+                         "'none': the servers' default); repeat for more")
+    ap.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode server; repeat for more")
+    ap.add_argument("--worker-urls", "--worker", nargs="+", action="extend", default=[], dest="worker_urls",
+                    metavar="URL", help="plain mode: colocated servers to balance over")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--policy", default=None, choices=POLICIES,
+                    help="plain mode's policy, and the default of the two below (round_robin)")
+    ap.add_argument("--prefill-policy", default=None, choices=POLICIES)
+    ap.add_argument("--decode-policy", default=None, choices=POLICIES)
+    ap.add_argument("--health-check-interval", type=float, default=1.0, metavar="S")
+    ap.add_argument("--health-check-timeout", type=float, default=1.0, metavar="S")
+    ap.add_argument("--retries", type=int, default=1,
+                    help="times a request that failed before any token reached the client is retried on "
+                         "another pair")
+    ap.add_argument("--request-timeout", type=float, default=1800.0, metavar="S")
+    ap.add_argument("--connect-timeout", type=float, default=2.0, metavar="S")
+    ap.add_argument("--api-key", default=None,
+                    help="clients must send 'Authorization: Bearer KEY'; also sent to the workers")
+    ap.add_argument("--cache-threshold", type=float, default=0.5)
+    ap.add_argument("--balance-abs-threshold", type=int, default=32)
+    ap.add_argument("--max-tree-size", type=int, default=1 << 22)
+    ap.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    return ap
+
+
+def from_cli(argv: Sequence[str] | None = None) -> RouterConfig:
+    ns = build_parser().parse_args(argv)
+    if not ns.pd_disaggregation and (ns.prefill or ns.decode) and not ns.worker_urls:
+        # SGLang requires the flag; say so rather than silently treating them as plain workers.
+        raise ConfigError("--pd-disaggregation: --prefill/--decode need --pd-disaggregation")
+    policy = ns.policy or "round_robin"
+    return RouterConfig(
+        prefill=tuple(_prefill_spec(v) for v in ns.prefill),
+        decode=tuple(WorkerSpec(normalise_url(u, "--decode"), "decode") for u in ns.decode),
+        workers=tuple(WorkerSpec(normalise_url(u, "--worker-urls"), "plain") for u in ns.worker_urls),
+        pd_disaggregation=ns.pd_disaggregation, host=ns.host, port=ns.port,
+        prefill_policy=ns.prefill_policy or policy, decode_policy=ns.decode_policy or
+        (policy if policy != "cache_aware" else "round_robin"), policy=policy,
+        health_check_interval=ns.health_check_interval, health_check_timeout=ns.health_check_timeout,
+        retries=ns.retries, request_timeout=ns.request_timeout, connect_timeout=ns.connect_timeout,
+        api_key=ns.api_key, cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
+        max_tree_size=ns.max_tree_size, log_level=ns.log_level)

@@ -1,0 +1,110 @@
+"""Which worker of a role gets the next request.
+
+A policy sees only the healthy candidates and the router's own view of their load
+(`in_flight`: requests the router has sent and not yet seen answered), never the
+workers themselves: picking must be cheap and must not wait on the network.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Protocol, Sequence
+
+from pdserve.router.prefix_tree import PrefixTree, Seq
+
+
+class Candidate(Protocol):
+    url: str
+    in_flight: int
+
+
+class Policy(Protocol):
+    name: str
+
+    def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
+        """`candidates` is non-empty; `key` is the request's text or token ids (or None)."""
+        ...
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
+        return candidates[next(self._counter) % len(candidates)]
+
+
+class RandomPolicy:
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
+        return self._rng.choice(candidates)
+
+
+class PowerOfTwo:
+    """The less loaded of two distinct random candidates: near least-loaded balance
+    without every router decision herding onto the same momentarily idle worker."""
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(list(candidates), 2)
+        return b if b.in_flight < a.in_flight else a
+
+
+class CacheAware:
+    """Prefix affinity for prefill: send a request to the worker that has seen the
+    longest prefix of it (its radix cache likely still holds that KV) when that prefix
+    covers more than `threshold` of the request; otherwise to the least loaded worker.
+    Load guard: affinity never sends a request to a worker with more than
+    `balance_abs_threshold` requests in flight above the least loaded one."""
+    name = "cache_aware"
+
+    def __init__(self, threshold: float = 0.5, balance_abs_threshold: int = 32,
+                 max_tree_size: int = 1 << 22) -> None:
+        self.threshold = threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.tree = PrefixTree(max_tree_size)
+        self._ties = itertools.count()
+
+    def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
+        least = self._least_loaded(candidates)
+        if not key:
+            return least
+        matched = self.tree.match(key)
+        best = max(candidates, key=lambda c: (matched.get(c.url, 0), -c.in_flight))
+        share = matched.get(best.url, 0) / len(key)
+        chosen = best if share > self.threshold else least
+        if chosen.in_flight - least.in_flight > self.balance_abs_threshold:
+            chosen = least
+        self.tree.insert(key, chosen.url)
+        return chosen
+
+    def _least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
+        low = min(c.in_flight for c in candidates)
+        tied = [c for c in candidates if c.in_flight == low]
+        # Rotate among equally loaded workers so that new prefixes spread out.
+        return tied[next(self._ties) % len(tied)]
+
+
+def make_policy(name: str, *, threshold: float = 0.5, balance_abs_threshold: int = 32,
+                max_tree_size: int = 1 << 22, rng: random.Random | None = None) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "random":
+        return RandomPolicy(rng)
+    if name == "power_of_two":
+        return PowerOfTwo(rng)
+    if name == "cache_aware":
+        return CacheAware(threshold, balance_abs_threshold, max_tree_size)
+    raise ValueError(f"unknown policy {name!r}")

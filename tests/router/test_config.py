@@ -1,0 +1,65 @@
+"""CLI parsing: SGLang's flag shapes, defaults, and errors that name the flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.router.config import DEFAULT_BOOTSTRAP_PORT, ConfigError, from_cli
+
+
+def test_pd_flags_and_defaults():
+    cfg = from_cli(["--pd-disaggregation", "--prefill", "http://10.0.0.1:30001", "9001",
+                    "--prefill", "http://10.0.0.2:30001/", "--decode", "http://10.0.0.3:30002",
+                    "--decode", "http://10.0.0.4:30002", "--port", "8000", "--prefill-policy", "cache_aware"])
+    assert [(w.url, w.bootstrap_port, w.host) for w in cfg.prefill] == [
+        ("http://10.0.0.1:30001", 9001, "10.0.0.1"), ("http://10.0.0.2:30001", DEFAULT_BOOTSTRAP_PORT, "10.0.0.2")]
+    assert [w.url for w in cfg.decode] == ["http://10.0.0.3:30002", "http://10.0.0.4:30002"]
+    assert (cfg.prefill_policy, cfg.decode_policy) == ("cache_aware", "round_robin")
+    assert (cfg.health_check_interval, cfg.retries, cfg.port) == (1.0, 1, 8000)
+    none = from_cli(["--pd-disaggregation", "--prefill", "http://h:1", "none", "--decode", "http://h:2"])
+    assert none.prefill[0].bootstrap_port is None
+
+
+def test_policy_defaults_follow_policy_flag():
+    cfg = from_cli(["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2",
+                    "--policy", "power_of_two"])
+    assert (cfg.prefill_policy, cfg.decode_policy) == ("power_of_two", "power_of_two")
+    plain = from_cli(["--worker-urls", "http://h:1", "http://h:2", "--policy", "random"])
+    assert not plain.pd_disaggregation and [w.role for w in plain.workers] == ["plain", "plain"]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--prefill", "http://h:1", "--decode", "http://h:2"], "--pd-disaggregation"),
+    (["--pd-disaggregation", "--decode", "http://h:2"], "--prefill"),
+    (["--pd-disaggregation", "--prefill", "http://h:1"], "--decode"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "x", "--decode", "http://h:2"], "--prefill"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "70000", "--decode", "http://h:2"], "--prefill"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "1", "2", "--decode", "http://h:2"], "--prefill"),
+    (["--pd-disaggregation", "--prefill", "h:1", "--decode", "http://h:2"], "--prefill"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2/v1"], "--decode"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:1"], "listed twice"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--prefill-policy", "best"],
+     "--prefill-policy"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--decode-policy",
+      "cache_aware"], "--decode-policy"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--retries", "-1"], "--retries"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--health-check-interval",
+      "0"], "--health-check-interval"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--port", "abc"], "--port"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--bogus"], "--bogus"),
+    ([], "--worker-urls"),
+])
+def test_bad_flags_name_the_flag(argv, flag):
+    with pytest.raises(ConfigError) as exc:
+        from_cli(argv)
+    assert flag in str(exc.value)
+
+
+def test_cli_exits_with_the_message():
+    r = subprocess.run([sys.executable, "-m", "pdserve.router", "--pd-disaggregation", "--prefill", "http://h:1",
+                        "--decode", "http://h:2", "--retries", "-3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--retries" in r.stderr and "Traceback" not in r.stderr
