@@ -31,15 +31,7 @@ class FakeDeployment:
         return self.servers[id(worker)]
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        total = 0.0
-        for line in self.client.get("/metrics").text.splitlines():
-            if not line.startswith(name + "{") and not line.startswith(name + " "):
-                continue
-            head, value = line.rsplit(" ", 1)
-            if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                total += float(value)
-        return total
+        return metric_value(self.client.get("/metrics").text, name, **labels)
 
     def worker_state(self) -> dict[str, bool]:
         info = self.client.get("/get_server_info").json()
@@ -82,3 +74,76 @@ def wait_until(pred: Callable[[], Any], timeout: float = 10.0, step: float = 0.0
             raise AssertionError(f"condition not reached in {timeout}s")
         time.sleep(step)
     return time.monotonic() - t0
+
+
+# ---- a real router process ------------------------------------------------------------
+class RouterProcess:
+    """`python -m pdserve.router ...` on a free port, ready once its /health is 200."""
+
+    def __init__(self, *args: str, ready_timeout: float = 60.0) -> None:
+        import os
+        import subprocess
+        import sys
+        import tempfile
+
+        from tests.server.conftest import REPO_ROOT, free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="pdserve-router-", suffix=".log", delete=False)
+        self.argv = [sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"router not healthy after {ready_timeout}s:\n{self.output()}")
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        from pathlib import Path
+        return Path(self.log.name).read_text(errors="replace")[-6000:]
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_value(self.client.get("/metrics").text, name, **labels)
+
+    def worker_health(self) -> dict[str, bool]:
+        info = self.client.get("/get_server_info", timeout=10).json()
+        return {w["url"]: w["healthy"] for role in ("prefill", "decode", "plain") for w in info.get(role, [])}
+
+    def close(self) -> None:
+        import os
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.client.close()
+        self.log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.log.name)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the Prometheus samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
