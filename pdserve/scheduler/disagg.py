@@ -182,7 +182,12 @@ class PrefillScheduler(Scheduler):
             if room not in self._sent:  # opened by decode's request alone, then aborted or expired
                 self.manager.release(room)
         booting, inflight = list(self.bootstrapping), list(self.inflight)
-        codes = agree(self.tp, [self._ready_code(r) for r in booting] + [self._room_code(r) for r in inflight])
+        # Requests still being prefilled stop as soon as their room failed (decode died,
+        # a write failed): no point computing the rest of a long prompt.
+        computing = self.waiting + ([self.chunked] if self.chunked is not None else [])
+        codes = agree(self.tp, [self._ready_code(r) for r in booting] + [self._room_code(r) for r in inflight] +
+                      [self._room_code(r) for r in computing])
+        nb, ni = len(booting), len(inflight)
         for req, code in zip(booting, codes):
             if code == FAILED:
                 self.bootstrapping.remove(req)
@@ -190,7 +195,14 @@ class PrefillScheduler(Scheduler):
             elif code == DONE:
                 self.bootstrapping.remove(req)
                 self.waiting.append(req)
-        self._check_inflight(inflight, codes[len(booting):], out)
+        self._check_inflight(inflight, codes[nb: nb + ni], out)
+        for req, code in zip(computing, codes[nb + ni:]):
+            if code == FAILED:
+                if req is self.chunked:
+                    self.chunked = None
+                else:
+                    self.waiting.remove(req)
+                self._fail(req, self._reason(req), out)
         batch = self._schedule_prefill(out)
         if batch is None:
             return out

@@ -20,10 +20,11 @@ def target(tmp_path_factory):
     return build_random_model(tmp_path_factory.mktemp("pdfail") / "t", "llama", num_layers=2)
 
 
-def start_pair(target, boot: int):
+def start_pair(target, boot: int, prefill_extra: tuple[str, ...] = ()):
     fast = ["--disaggregation-heartbeat-interval", "0.2", "--disaggregation-heartbeat-misses", "3",
             "--disaggregation-bootstrap-timeout", "3", "--disaggregation-waiting-timeout", "20"]
-    p = ServerProcess(target, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot), *fast)
+    p = ServerProcess(target, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot), *fast,
+                      *prefill_extra)
     d = ServerProcess(target, "--disaggregation-mode", "decode", *fast)
     return p, d
 
@@ -86,6 +87,45 @@ def test_prefill_death_fails_waiting_decode_rooms_within_heartbeats(target):
         assert "stopped answering heartbeats" in abort_message(box["response"])
         d.assert_pools_full()
         assert disagg_state(d)["failures"].get("peer_dead") == 1
+    finally:
+        d.close()
+        p.close()
+
+
+def test_decode_death_mid_transfer_fails_prefill_rooms_within_heartbeats(target):
+    """Decode dies while prefill is still computing and sending a long prompt in small
+    chunks: prefill fails the room within the heartbeat deadline, its client gets the
+    reason, its pages all come back, and the server keeps serving."""
+    boot = free_port()
+    p, d = start_pair(target, boot, ("--chunked-prefill-size", "4"))
+    try:
+        long_prompt = dict(body(3, boot), input_ids=[5 + i % 80 for i in range(1000)])
+        box: dict = {}
+        t = post_async(p.url + "/generate", long_prompt, box)
+        post_async(d.url + "/generate", long_prompt, {})
+        wait_until(lambda: disagg_state(p)["rooms"]["transferring"] == 1)
+        killed = time.monotonic()
+        d.kill_all()
+        t.join(30)
+        assert time.monotonic() - killed < 5.0, "prefill noticed the dead decode too late"
+        # Whichever comes first names the cause: the next write fails, or heartbeats stop.
+        message = abort_message(box["response"])
+        assert "stopped answering heartbeats" in message or "KV transfer failed" in message, message
+        failures = disagg_state(p)["failures"]
+        assert failures.get("peer_dead", 0) + failures.get("transfer_error", 0) == 1, failures
+        p.assert_pools_full()
+        # A new decode server pairs with the same prefill server.
+        d2 = ServerProcess(target, "--disaggregation-mode", "decode")
+        try:
+            ok: dict = {}
+            ts = [post_async(p.url + "/generate", body(4, boot), {}), post_async(d2.url + "/generate", body(4, boot), ok)]
+            for th in ts:
+                th.join(60)
+            assert ok["response"].status_code == 200 and len(ok["response"].json()["output_ids"]) == 8
+            d2.assert_pools_full()
+        finally:
+            d2.close()
+        p.assert_pools_full()
     finally:
         d.close()
         p.close()
