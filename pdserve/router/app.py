@@ -106,17 +106,19 @@ class Router:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         self.worker_headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-        # keepalive_expiry below the servers' (uvicorn's) 5 s keep-alive: the router never
-        # reuses a connection the worker may be closing, which would look like a dead worker.
-        self.client = httpx.AsyncClient(
-            transport=transport, timeout=httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=2.0))
-        self.registry = WorkerRegistry(cfg.all_workers, self.client, interval=cfg.health_check_interval,
+
+        def make_client() -> httpx.AsyncClient:
+            # keepalive_expiry below the servers' (uvicorn's) 5 s keep-alive: the router never
+            # reuses a connection the worker may be closing, which would look like a dead worker.
+            return httpx.AsyncClient(
+                transport=transport, timeout=httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0))
+        self.registry = WorkerRegistry(cfg.all_workers, make_client, interval=cfg.health_check_interval,
                                        timeout=cfg.health_check_timeout)
         policy_args = dict(threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
                            max_tree_size=cfg.max_tree_size)
         pd = cfg.pd_disaggregation
-        self.proxy = Proxy(self.registry, self.client, self.metrics, pd=pd,
+        self.proxy = Proxy(self.registry, self.metrics, pd=pd,
                            prefill_policy=make_policy(cfg.prefill_policy, **policy_args) if pd else None,
                            decode_policy=make_policy(cfg.decode_policy if pd else cfg.policy, **policy_args),
                            retries=cfg.retries, headers=self.worker_headers, randbits=randbits)
@@ -127,16 +129,15 @@ class Router:
         self.registry.start()
 
     async def close(self) -> None:
-        await self.registry.close()
         await self.proxy.close()
-        await self.client.aclose()
+        await self.registry.close()
 
     def missing_roles(self) -> list[str]:
         return [r for r in self.roles if not self.registry.healthy(r)]
 
     async def worker_info(self, w: Worker) -> dict[str, Any]:
         try:
-            r = await self.client.get(w.url + "/get_server_info", headers=self.worker_headers,
+            r = await w.client.get(w.url + "/get_server_info", headers=self.worker_headers,
                                       timeout=INFO_TIMEOUT_S)
             info = r.json() if r.status_code == 200 else {"error": f"HTTP {r.status_code}: {r.text[:300]}"}
         except (httpx.HTTPError, ValueError) as exc:
@@ -235,7 +236,7 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
         role = router.roles[-1]
         for w in registry.healthy(role):
             try:
-                r = await router.client.get(w.url + path, headers=router.worker_headers, timeout=INFO_TIMEOUT_S)
+                r = await w.client.get(w.url + path, headers=router.worker_headers, timeout=INFO_TIMEOUT_S)
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code,
@@ -278,7 +279,7 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
         """Flush every healthy worker; 200 only if all of them flushed."""
         async def one(w: Worker) -> str | None:
             try:
-                r = await router.client.post(w.url + "/flush_cache", headers=router.worker_headers,
+                r = await w.client.post(w.url + "/flush_cache", headers=router.worker_headers,
                                              timeout=INFO_TIMEOUT_S)
                 return None if r.status_code == 200 else f"{w.url}: {r.status_code} {r.text.strip()}"
             except httpx.HTTPError as exc:

@@ -95,12 +95,11 @@ class _Attempt:
 
 
 class Proxy:
-    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, metrics: RouterMetrics, *,
+    def __init__(self, registry: WorkerRegistry, metrics: RouterMetrics, *,
                  pd: bool, prefill_policy: Policy | None, decode_policy: Policy, retries: int,
                  headers: dict[str, str] | None = None,
                  randbits: Callable[[int], int] = secrets.randbits) -> None:
         self.registry = registry
-        self.client = client
         self.metrics = metrics
         self.pd = pd
         self.prefill_policy = prefill_policy
@@ -216,7 +215,7 @@ class Proxy:
         self.metrics.worker_requests.labels(worker.role, worker.url).inc()
         leg = _Leg(worker)
         try:
-            r = await self.client.post(worker.url + route, content=content, headers=self.headers)
+            r = await worker.client.post(worker.url + route, content=content, headers=self.headers)
             leg.status, leg.content = r.status_code, r.content
         except httpx.HTTPError as exc:
             leg.error = exc
@@ -235,7 +234,7 @@ class Proxy:
     async def _abort(self, worker: Worker, rid: str) -> None:
         for _ in range(ABORT_TRIES):
             try:
-                r = await self.client.post(worker.url + "/abort_request", json={"rid": rid},
+                r = await worker.client.post(worker.url + "/abort_request", json={"rid": rid},
                                            headers=self.headers, timeout=5.0)
                 if r.status_code != 200 or r.json().get("aborted"):
                     return
@@ -441,8 +440,8 @@ class Proxy:
         resp: httpx.Response | None = None
         handed_over = False
         try:
-            req = self.client.build_request("POST", worker.url + route, content=content, headers=self.headers)
-            resp = await self.client.send(req, stream=True)
+            req = worker.client.build_request("POST", worker.url + route, content=content, headers=self.headers)
+            resp = await worker.client.send(req, stream=True)
             if resp.status_code != 200:
                 body = await resp.aread()
                 return self._status_failure(worker, resp.status_code, body)

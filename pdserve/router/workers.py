@@ -25,8 +25,12 @@ class Worker:
     """One server as the router sees it. `in_flight` is the router's own count of legs
     sent and not yet answered (what the load-aware policies compare)."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, client: httpx.AsyncClient) -> None:
         self.spec = spec
+        # One connection pool per worker: httpcore's pool scans all of its connections
+        # (quadratically) on every request, so one shared pool gets slower with every
+        # worker and every concurrent request; per worker it stays short.
+        self.client = client
         self.url = spec.url
         self.role = spec.role
         self.healthy = False
@@ -47,10 +51,9 @@ class Worker:
 
 
 class WorkerRegistry:
-    def __init__(self, specs: Iterable[WorkerSpec], client: httpx.AsyncClient, *, interval: float,
-                 timeout: float, on_change: Callable[[Worker], None] | None = None) -> None:
-        self.workers = [Worker(s) for s in specs]
-        self.client = client
+    def __init__(self, specs: Iterable[WorkerSpec], make_client: Callable[[], httpx.AsyncClient], *,
+                 interval: float, timeout: float, on_change: Callable[[Worker], None] | None = None) -> None:
+        self.workers = [Worker(s, make_client()) for s in specs]
         self.interval = interval
         self.timeout = timeout
         self.on_change = on_change
@@ -85,7 +88,7 @@ class WorkerRegistry:
     async def probe(self, worker: Worker) -> bool:
         started = time.monotonic()
         try:
-            r = await self.client.get(worker.url + "/health", timeout=self.timeout)
+            r = await worker.client.get(worker.url + "/health", timeout=self.timeout)
             ok, reason = r.status_code == 200, f"GET /health answered {r.status_code}"
         except httpx.HTTPError as exc:
             ok, reason = False, f"GET /health failed: {type(exc).__name__}: {exc}"
@@ -119,3 +122,4 @@ class WorkerRegistry:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        await asyncio.gather(*(w.client.aclose() for w in self.workers))
