@@ -1,7 +1,15 @@
 """KV transfer throughput: the Mooncake engine through pdserve's transfer plan vs a raw
 loopback TCP socket moving the same bytes, between two processes.
 
-    python -m pdserve.bench.kv_transfer --tokens 4096 16384
+    python -m pdserve.bench.kv_transfer --tokens 4096 16384 --ttft-tokens 512 2000
+
+Part 2, TTFT split: a prefill and a decode scheduler (each with its own Mooncake
+engine over loopback TCP, in one process) serve one long prompt at a time; the
+time to the first token on decode is split into prefill (room setup + compute,
+KV of chunk i written while chunk i+1 computes), the transfer tail (the writes
+still running when the first token is drawn, plus the handoff record) and decode
+commit (admitting the request with its first token); the colocated scheduler's
+TTFT on the same prompt is the reference.
 
 For each model shape and prompt length, the receiver registers a per-layer K/V layout
 like a decode server's; the sender writes the prompt's KV (a) as contiguous slots (one
@@ -18,6 +26,7 @@ import random
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -113,6 +122,80 @@ def measure(shape: Shape, tokens: int, repeats: int) -> dict[str, float]:
     return out
 
 
+def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size: int) -> dict[str, float]:
+    """Median phase times (seconds) of ``repeats`` single-request handoffs."""
+    import statistics
+
+    from pdserve.config import ServerArgs
+    from pdserve.disagg.rooms import RoomState
+    from pdserve.disagg.transfer import MooncakeTransfer
+    from pdserve.model.parallel import TPGroup
+    from pdserve.model.runner import ModelRunner
+    from pdserve.requests import RequestBuilder
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.scheduler.disagg import DecodeScheduler, PrefillScheduler
+    from pdserve.scheduler.scheduler import Scheduler
+
+    args = ServerArgs(model_path=model_dir, chunked_prefill_size=chunk, page_size=page_size,
+                      max_total_tokens=4 * tokens + 4096, disable_radix_cache=True)
+
+    def runner() -> ModelRunner:
+        return ModelRunner(args, Path(model_dir), TPGroup())
+    text = str
+    colo = Scheduler(args, runner(), text)  # type: ignore[arg-type]
+    p = PrefillScheduler(args, runner(), text, MooncakeTransfer("127.0.0.1"))  # type: ignore[arg-type]
+    d = DecodeScheduler(args, runner(), text, MooncakeTransfer("127.0.0.1"),  # type: ignore[arg-type]
+                        fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    builder = RequestBuilder(None, 10**6, 10**6, 1, 0)
+    params = SamplingParams.from_dict({"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+    rng = random.Random(tokens)
+    vocab = colo.vocab_size
+    phases: dict[str, list[float]] = {k: [] for k in ("colocated", "prefill", "transfer", "commit", "total")}
+    try:
+        for i in range(repeats + 1):  # the first round connects the pair and warms up
+            prompt = [rng.randrange(3, vocab) for _ in range(tokens)]
+            c = builder.group(prompt, params, False, 0)[0]
+            t0 = time.perf_counter()
+            colo.add(c)
+            while not c.output_ids:
+                colo.step()
+            colocated = time.perf_counter() - t0
+            while colo.has_work:
+                colo.step()
+            rp, rd = builder.group(prompt, params, False, 0)[0], builder.group(prompt, params, False, 0)[0]
+            for r in (rp, rd):
+                r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, 1000 + i
+            t0 = time.perf_counter()
+            p.add(rp)
+            d.add(rd)
+            while rp not in p.inflight:
+                p.step()
+                d.step()  # decode connects, reserves and asks for the KV
+            t_handoff = time.perf_counter()
+            while d.manager.poll(1000 + i)[0] is not RoomState.SUCCESS:
+                time.sleep(0.0002)
+            t_arrived = time.perf_counter()
+            while not rd.output_ids:
+                d.step()
+            t_first = time.perf_counter()
+            while p.has_work or d.has_work:
+                p.step()
+                d.step()
+            if i == 0:
+                continue
+            phases["colocated"].append(colocated)
+            phases["prefill"].append(t_handoff - t0)
+            phases["transfer"].append(t_arrived - t_handoff)
+            phases["commit"].append(t_first - t_arrived)
+            phases["total"].append(t_first - t0)
+    finally:
+        p.close()
+        d.close()
+    out = {k: statistics.median(v) for k, v in phases.items()}
+    out["bytes"] = p.manager.bytes_sent / (repeats + 1)
+    return out
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -125,6 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", nargs="+", default=["demo", "wide"], choices=sorted(SHAPES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-bytes", type=float, default=2.5e9, help="skip combinations larger than this")
+    ap.add_argument("--ttft-tokens", type=int, nargs="*", default=[512, 2000],
+                    help="prompt lengths of the TTFT split (none: skip it)")
+    ap.add_argument("--ttft-model", default=None, help="model of the TTFT split (default: the demo model)")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk size of the TTFT split")
+    ap.add_argument("--page-size", type=int, default=16, help="page size of the TTFT split")
     args = ap.parse_args(argv)
     print("| model | tokens | MiB | Mooncake contiguous GB/s (entries) | Mooncake scattered GB/s (entries) "
           "| raw TCP GB/s | Mooncake / raw |")
@@ -139,6 +227,22 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {shape.name} | {tokens} | {r['bytes'] / 2**20:.0f} | {r['mooncake_contiguous']:.2f} "
                   f"({int(r['entries_contiguous'])}) | {r['mooncake_scattered']:.2f} ({int(r['entries_scattered'])}) "
                   f"| {r['raw_tcp']:.2f} | {r['mooncake_contiguous'] / r['raw_tcp']:.2f}x |", flush=True)
+    if not args.ttft_tokens:
+        return
+    from pdserve import assets
+
+    model = args.ttft_model or str(assets.path("demo"))
+    print(f"\nTTFT split, {model}, chunk {args.chunk}, page size {args.page_size}, median of {args.repeats} "
+          "(ms)\n")
+    print("| prompt tokens | KV MiB | colocated TTFT | PD TTFT | prefill (setup + compute) | transfer tail "
+          "| decode commit | PD / colocated |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tokens in args.ttft_tokens:
+        r = ttft_split(model, tokens, args.repeats, args.chunk, args.page_size)
+        ms = {k: v * 1e3 for k, v in r.items() if k != "bytes"}
+        print(f"| {tokens} | {r['bytes'] / 2**20:.1f} | {ms['colocated']:.1f} | {ms['total']:.1f} | "
+              f"{ms['prefill']:.1f} | {ms['transfer']:.1f} | {ms['commit']:.1f} | "
+              f"{r['total'] / r['colocated']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

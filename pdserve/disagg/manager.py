@@ -15,6 +15,7 @@ exception in a handler is logged and fails what it touched, never the thread.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -53,6 +54,11 @@ class _Link:
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.addr = f"tcp://{host}:{port}"
         self._out: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        # Outgoing messages wake the thread through a pipe (ZMQ sockets are not
+        # thread-safe, an OS pipe is), so a send never waits out a poll timeout.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._push: dict[str, zmq.Socket] = {}
         self._peers: dict[str, float] = {}       # control addr -> last time heard from
         self._on_message = on_message
@@ -62,19 +68,31 @@ class _Link:
         self._thread.start()
 
     def send(self, addr: str, msg: Any) -> None:
-        self._out.put((addr, msg))
+        self._put((addr, msg))
 
     def watch(self, addr: str) -> None:
         """Start heartbeating with a peer (and expecting its heartbeats)."""
-        self._out.put((addr, "watch"))
+        self._put((addr, "watch"))
 
     def forget(self, addr: str) -> None:
-        self._out.put((addr, "forget"))
+        self._put((addr, "forget"))
+
+    def _put(self, item: tuple[str, Any] | None) -> None:
+        self._out.put(item)
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or closed
 
     def close(self) -> None:
         self._stop.set()
-        self._out.put(None)
+        self._put(None)
         self._thread.join(5)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _socket(self, addr: str) -> zmq.Socket:
         sock = self._push.get(addr)
@@ -89,11 +107,20 @@ class _Link:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         next_beat = 0.0
         seq = 0
         while not self._stop.is_set():
             try:
-                for sock, _ in poller.poll(20):
+                wait_ms = max(1, min(100, int((next_beat - time.monotonic()) * 1000) + 1))
+                for sock, _ in poller.poll(wait_ms):
+                    if sock == self._wake_r:
+                        try:
+                            while os.read(self._wake_r, 4096):
+                                pass
+                        except BlockingIOError:
+                            pass
+                        continue
                     data = sock.recv()
                     try:
                         msg = P.decode(data)

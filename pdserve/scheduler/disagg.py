@@ -342,6 +342,7 @@ class DecodeScheduler(Scheduler):
         self.transferring: list[Req] = []
         # (room, pages, deadline) of failed transfers whose pages a late write might hit
         self.quarantine: list[tuple[int, torch.Tensor, float]] = []
+        self._deferred_decode = False
 
     def add(self, req: Req) -> None:
         samples = split_samples(req)
@@ -368,6 +369,13 @@ class DecodeScheduler(Scheduler):
         self._release_quarantine(quarantine, codes[nq + nt:])
         self._check_transfers(transferring, codes[nq: nq + nt], out)
         self._admit_transfers(queued, codes[:nq], out)
+        if out.advanced and not self._deferred_decode:
+            # Publish committed first tokens now (their TTFT); the running batch
+            # takes its decode step on the very next loop iteration (never deferred
+            # twice in a row, so a stream of arrivals cannot starve it).
+            self._deferred_decode = True
+            return out
+        self._deferred_decode = False
         if self.running:
             inner = super().step()
             out.advanced += inner.advanced

@@ -106,7 +106,9 @@ def pools_full(s) -> None:
     ("EAGLE", None, {}),
     (None, "EAGLE", {}),
     (None, "EAGLE3", {"page_size": 16}),
-], ids=["plain", "plain-page16", "eagle", "eagle3-page16", "eagle-to-plain", "plain-to-eagle", "plain-to-eagle3"])
+    ("EAGLE3", None, {"page_size": 16}),
+], ids=["plain", "plain-page16", "eagle", "eagle3-page16", "eagle-to-plain", "plain-to-eagle", "plain-to-eagle3",
+        "eagle3-to-plain"])
 def test_pd_pair_equals_colocated(make_engine, dirs, p_algo, d_algo, extra):
     ps = prompts(6)
     ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
