@@ -131,7 +131,8 @@ def latency(args: argparse.Namespace, tmp: Path) -> list[tuple[str, list[float],
         with httpx.Client(timeout=120) as c:
             def post(url: str, prompt: str, **extra: Any) -> None:
                 r = c.post(url + "/v1/completions", json=dict(body, prompt=prompt, **extra))
-                r.raise_for_status()
+                if r.status_code != 200:
+                    raise RuntimeError(f"{url}: {r.status_code} {r.text[:500]}")
 
             async def fan_out(prompt: str) -> None:
                 # Both legs at once with one room, as a client without a router must.
@@ -139,8 +140,9 @@ def latency(args: argparse.Namespace, tmp: Path) -> list[tuple[str, list[float],
                          "bootstrap_room": random.getrandbits(63)}
                 rp, rd = await asyncio.gather(ac.post(pre.url + "/v1/completions", json=dict(body, prompt=prompt, **extra)),
                                               ac.post(dec.url + "/v1/completions", json=dict(body, prompt=prompt, **extra)))
-                rp.raise_for_status()
-                rd.raise_for_status()
+                for r in (rp, rd):
+                    if r.status_code != 200:
+                        raise RuntimeError(f"{r.url}: {r.status_code} {r.text[:500]}")
 
             loop = asyncio.new_event_loop()
             ac = httpx.AsyncClient(timeout=120)
@@ -148,11 +150,14 @@ def latency(args: argparse.Namespace, tmp: Path) -> list[tuple[str, list[float],
                 for warm in prompts[:3]:  # connections, first-request paths, the PD handshake
                     post(coloc.url, warm), post(plain.url, warm), post(pd.url, warm)
                     loop.run_until_complete(fan_out(warm))
-                for p in prompts:
-                    rows["direct"].append(_timed(lambda: post(coloc.url, p)))
-                    rows["plain"].append(_timed(lambda: post(plain.url, p)))
-                    rows["pair"].append(_timed(lambda: loop.run_until_complete(fan_out(p))))
-                    rows["pd"].append(_timed(lambda: post(pd.url, p)))
+                for i, p in enumerate(prompts):
+                    runs = [("direct", lambda: post(coloc.url, p)), ("plain", lambda: post(plain.url, p)),
+                            ("pair", lambda: loop.run_until_complete(fan_out(p))), ("pd", lambda: post(pd.url, p))]
+                    # Each pair (direct, routed) back to back, in alternating order: no path
+                    # always goes first after the other server's work.
+                    for pair in (runs[:2], runs[2:]):
+                        for name, fn in (pair if i % 2 else pair[::-1]):
+                            rows[name].append(_timed(fn))
             finally:
                 loop.run_until_complete(ac.aclose())
                 loop.close()

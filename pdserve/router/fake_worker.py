@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 @dataclass
 class Faults:
     healthy: bool = True
+    health_delay_s: float = 0.0      # /health answers this late (a hung worker)
     fail_status: int | None = None   # answer the next `fail_count` generation requests with this status
     fail_count: int = 0
     abort_next: int = 0              # end the next requests with a server-side abort (a failed transfer)
@@ -84,6 +85,8 @@ def build_app(w: FakeWorker) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if w.faults.health_delay_s:
+            await asyncio.sleep(w.faults.health_delay_s)
         return Response(status_code=200 if w.faults.healthy else 503)
 
     @app.get("/v1/models")

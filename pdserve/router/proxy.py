@@ -248,7 +248,10 @@ class Proxy:
         task.add_done_callback(self._background.discard)
         return task
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = 2.0) -> None:
+        """Give pending aborts a moment to reach the workers, then cancel what is left."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=grace_s)
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -301,7 +304,16 @@ class Proxy:
         decode_reply: Reply | None = None
         try:
             while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                # Once decode has answered, prefill (which answers when its transfer is done,
+                # so normally already has) gets a bounded wait, not the request timeout.
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED,
+                                                   timeout=None if decode_reply is None else PREFILL_GRACE_S)
+                if not done:
+                    self.metrics.errors.labels("prefill_late_error").inc()
+                    logger.warning("prefill leg still running %.0f s after decode answered: aborted",
+                                   PREFILL_GRACE_S)
+                    self._cancel_pending(att, pending)
+                    break
                 for t in done:
                     role = by_task[t]
                     leg: _Leg = t.result()

@@ -211,6 +211,18 @@ def test_unhealthy_workers_leave_rotation_and_503_when_none_left():
         assert dep.client.post("/v1/completions", json=COMPLETION).status_code == 200
 
 
+def test_a_hung_worker_leaves_rotation_within_interval_plus_timeout():
+    with fake_deployment(1, 2) as dep:  # the defaults: probes every 1 s, 1 s timeout
+        hung = dep.decode[0]
+        url = dep.server_of(hung).url
+        hung.faults.health_delay_s = 30
+        took = wait_until(lambda: not dep.worker_state()[url], timeout=5)
+        assert took < 2.5
+        assert "failed" in dep.client.get("/get_server_info").json()["decode"][0]["last_error"]
+        hung.faults.health_delay_s = 0
+        wait_until(lambda: dep.worker_state()[url], timeout=5)
+
+
 def test_server_info_aggregates_workers():
     with fake_deployment(1, 2) as dep:
         info = dep.client.get("/get_server_info").json()
