@@ -1,4 +1,5 @@
-"""`python -m pdserve.launch_server --model-path DIR ...` (also `pdserve serve ...`)."""
+"""`python -m pdserve.launch_server --model-path DIR ...` (also `pdserve serve ...`; `pdserve up`
+starts a whole local deployment, see pdserve/up.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from pdserve.config import ConfigError, ServerArgs
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "up":  # `pdserve up ...`: a whole local deployment
+        from pdserve.up import main as up
+
+        return up(argv[1:])
     if argv and argv[0] == "serve":  # the `pdserve serve ...` console script
         argv = argv[1:]
     parser = argparse.ArgumentParser(prog="pdserve serve", description="Start a pdserve server.",

@@ -121,7 +121,9 @@ def launch(args: ServerArgs) -> int:
         app.router.lifespan_context = lifespan
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5)
-        _Server(config).run()
+        server = _Server(config)
+        logging.getLogger("uvicorn.access").addFilter(_quiet_probes)
+        server.run()
         return 0
     except StartupError as exc:
         print(f"pdserve: {exc}", file=sys.stderr, flush=True)
@@ -129,6 +131,12 @@ def launch(args: ServerArgs) -> int:
     finally:
         stop_children(procs)
         paths.cleanup()
+
+
+def _quiet_probes(record: logging.LogRecord) -> bool:
+    """Routers probe /health and /get_load every second: keep them out of the access log."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (len(args) >= 3 and args[2] in ("/health", "/get_load"))
 
 
 def resolve_tokenizer_dir(args: ServerArgs, model_dir: Any) -> Any:

@@ -1,0 +1,235 @@
+"""`pdserve up`: a complete local deployment in one command.
+
+    pdserve up                                   # 1 prefill + 1 decode + router, demo model
+    pdserve up --prefill 2 --decode 2 --speculative-algorithm EAGLE
+    pdserve up --disaggregation-mode null        # one colocated server
+    pdserve up --model-path DIR --port 8000 --page-size 16   # unknown flags go to every server
+
+It starts the servers (free ports picked at run time, bootstrap ports too), waits
+until each answers `/health`, starts the router in front of them, prints the URL and
+an example request, and on Ctrl-C (or SIGTERM) stops every process it started. If
+any process dies, the whole deployment is stopped and the exit status is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+
+DEMO_DRAFTS = {"EAGLE": "demo-eagle", "EAGLE3": "demo-eagle3"}
+
+
+@dataclass(frozen=True)
+class UpArgs:
+    model_path: str | None
+    mode: str                     # "pd" or "null"
+    num_prefill: int
+    num_decode: int
+    speculative_algorithm: str | None
+    speculative_draft_model_path: str | None
+    speculative_prefill: bool
+    host: str
+    port: int
+    startup_timeout: float
+    server_args: tuple[str, ...]  # passed through to every server
+
+
+def parse_args(argv: Sequence[str]) -> UpArgs:
+    ap = argparse.ArgumentParser(prog="pdserve up", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    ap.add_argument("--model-path", default=None, help="model directory (default: the embedded demo model)")
+    ap.add_argument("--disaggregation-mode", choices=("pd", "null"), default="pd",
+                    help="pd: prefill + decode servers behind the router; null: one colocated server")
+    ap.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill servers (pd mode)")
+    ap.add_argument("--decode", type=int, default=1, metavar="M", help="decode servers (pd mode)")
+    ap.add_argument("--speculative-algorithm", choices=("EAGLE", "EAGLE3"), default=None,
+                    help="speculative decoding on the decode servers (and the colocated server)")
+    ap.add_argument("--speculative-draft-model-path", default=None,
+                    help="draft model (default with the demo model: its embedded EAGLE / EAGLE3 head)")
+    ap.add_argument("--speculative-prefill", action="store_true",
+                    help="run the draft on the prefill servers too")
+    ap.add_argument("--host", default="127.0.0.1", help="address of the router (and of every server)")
+    ap.add_argument("--port", type=int, default=30000, help="the deployment's HTTP port (router, or the server)")
+    ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
+    ns, rest = ap.parse_known_args(list(argv))
+    if ns.prefill < 1:
+        ap.error(f"--prefill: must be >= 1, got {ns.prefill}")
+    if ns.decode < 1:
+        ap.error(f"--decode: must be >= 1, got {ns.decode}")
+    if not 0 < ns.port <= 65535:
+        ap.error(f"--port: must be in [1, 65535], got {ns.port}")
+    if ns.speculative_prefill and not ns.speculative_algorithm:
+        ap.error("--speculative-prefill: needs --speculative-algorithm")
+    draft = ns.speculative_draft_model_path
+    if ns.speculative_algorithm and draft is None:
+        if ns.model_path is not None:
+            ap.error("--speculative-draft-model-path: required with --model-path and --speculative-algorithm")
+        from pdserve import assets
+        draft = str(assets.path(DEMO_DRAFTS[ns.speculative_algorithm]))
+    owned = {"--port", "--host", "--disaggregation-mode", "--disaggregation-bootstrap-port", "--model-path"}
+    clash = next((a for a in rest if a.split("=", 1)[0] in owned), None)
+    if clash is not None:
+        ap.error(f"{clash.split('=', 1)[0]}: set by pdserve up itself (use its own flags)")
+    return UpArgs(ns.model_path, ns.disaggregation_mode, ns.prefill, ns.decode, ns.speculative_algorithm, draft,
+                  ns.speculative_prefill, ns.host, ns.port, ns.startup_timeout, tuple(rest))
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    url: str
+    proc: subprocess.Popen
+
+
+def _die_with_parent() -> None:
+    """Children must not outlive `pdserve up`, even when it is SIGKILLed."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; `up` decides
+
+
+class Deployment:
+    def __init__(self, args: UpArgs) -> None:
+        self.args = args
+        self.children: list[Child] = []
+
+    def _start(self, name: str, cmd: list[str], url: str) -> Child:
+        child = Child(name, url, subprocess.Popen(cmd, preexec_fn=_die_with_parent))
+        self.children.append(child)
+        return child
+
+    def _server_cmd(self, port: int, mode: str, extra: list[str]) -> list[str]:
+        a = self.args
+        cmd = [sys.executable, "-m", "pdserve.launch_server", "--host", a.host, "--port", str(port),
+               "--disaggregation-mode", mode]
+        if a.model_path is not None:
+            cmd += ["--model-path", a.model_path]
+        return cmd + extra + list(a.server_args)
+
+    def _speculative(self) -> list[str]:
+        a = self.args
+        if a.speculative_algorithm is None:
+            return []
+        return ["--speculative-algorithm", a.speculative_algorithm,
+                "--speculative-draft-model-path", str(a.speculative_draft_model_path)]
+
+    def start(self) -> str:
+        """Start everything, wait for health; returns the deployment's URL."""
+        a = self.args
+        if a.mode == "null":
+            url = f"http://{a.host}:{a.port}"
+            self._start("server", self._server_cmd(a.port, "null", self._speculative()), url)
+            self._wait_healthy()
+            return url
+        prefill, decode = [], []
+        for i in range(a.num_prefill):
+            port, boot = free_port(a.host), free_port(a.host)
+            extra = ["--disaggregation-bootstrap-port", str(boot)] + (self._speculative() if a.speculative_prefill
+                                                                       else [])
+            child = self._start(f"prefill-{i}", self._server_cmd(port, "prefill", extra), f"http://{a.host}:{port}")
+            prefill.append((child.url, boot))
+        for i in range(a.num_decode):
+            port = free_port(a.host)
+            child = self._start(f"decode-{i}", self._server_cmd(port, "decode", self._speculative()),
+                                f"http://{a.host}:{port}")
+            decode.append(child.url)
+        self._wait_healthy()
+        router = [sys.executable, "-m", "pdserve.router", "--pd-disaggregation", "--host", a.host,
+                  "--port", str(a.port)]
+        for url, boot in prefill:
+            router += ["--prefill", url, str(boot)]
+        for url in decode:
+            router += ["--decode", url]
+        url = f"http://{a.host}:{a.port}"
+        self._start("router", router, url)
+        self._wait_healthy()
+        return url
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.args.startup_timeout
+        pending = [c for c in self.children]
+        while pending:
+            self.check_alive()
+            for c in list(pending):
+                try:
+                    if httpx.get(c.url + "/health", timeout=2.0).status_code == 200:
+                        pending.remove(c)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"{', '.join(c.name for c in pending)} not healthy after "
+                                   f"{self.args.startup_timeout:g} s")
+            time.sleep(0.3)
+
+    def check_alive(self) -> None:
+        for c in self.children:
+            rc = c.proc.poll()
+            if rc is not None:
+                raise RuntimeError(f"{c.name} ({' '.join(c.proc.args)}) exited with status {rc}")  # type: ignore
+
+    def stop(self) -> None:
+        """Router first (no new requests), then the servers; SIGKILL after 20 s."""
+        for c in reversed(self.children):
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for c in self.children:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    dep = Deployment(args)
+    stop = {"signal": None}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum  # type: ignore[assignment]
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        url = dep.start()
+        where = ("router in front of " + f"{args.num_prefill} prefill + {args.num_decode} decode server(s)"
+                 if args.mode == "pd" else "one colocated server")
+        print(f"pdserve up: {where} ready at {url}\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is 12 + 7?\"}]}'\n"
+              "  Ctrl-C stops everything.", flush=True)
+        while True:
+            dep.check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("pdserve up: stopping", flush=True)
+        return 0
+    except RuntimeError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        dep.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""`pdserve up`: one command starts prefill + decode + router on the demo model, answers a
+chat request through the OpenAI client, and Ctrl-C stops every process it started."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import psutil
+import pytest
+
+from tests.server.conftest import free_port
+
+
+def test_up_bad_flags_name_the_flag():
+    for argv, flag in ((["--prefill", "0"], "--prefill"), (["--port", "0"], "--port"),
+                       (["--disaggregation-bootstrap-port", "9"], "--disaggregation-bootstrap-port"),
+                       (["--speculative-prefill"], "--speculative-prefill")):
+        r = subprocess.run([sys.executable, "-m", "pdserve.launch_server", "up", *argv],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and flag in r.stderr, (argv, r.stderr)
+
+
+def test_up_serves_chat_and_ctrl_c_stops_everything():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "up", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "ready at" in line:
+                ready.set()
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(300), "".join(lines)
+        assert f"http://127.0.0.1:{port}" in "".join(lines) and "curl" in "".join(lines)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len([c for c in children if "pdserve" in " ".join(c.cmdline())]) >= 3  # 2 servers + router
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        out = client.chat.completions.create(model="pdserve-demo", max_tokens=16, temperature=0,
+                                             messages=[{"role": "user", "content": "Repeat: abcdefgh"}])
+        assert out.choices[0].message.content == "abcdefgh"
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to it
+        assert proc.wait(60) == 0
+        deadline = time.monotonic() + 20
+        while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
+            assert time.monotonic() < deadline, [c.cmdline() for c in children if c.is_running()]
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            pytest.fail("pdserve up did not stop")
