@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 import urllib.error
@@ -111,6 +112,18 @@ class BootstrapServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5)
+
+
+def reachable_host(host: str) -> str:
+    """The address peers use to reach a server bound to ``host``: itself, unless it is a
+    wildcard (0.0.0.0 in a container), then this machine's address by its hostname
+    (what a compose network resolves), falling back to loopback."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def register_rank(bootstrap_url: str, info: protocol.RankInfo, timeout_s: float = 10.0) -> None:

@@ -99,7 +99,7 @@ def build_disagg_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: C
                            tp: TPGroup) -> Scheduler:
     """A prefill or decode scheduler with its transfer engine; a prefill server's rank 0
     also runs the bootstrap registry (on --disaggregation-bootstrap-port) and registers."""
-    from pdserve.disagg.bootstrap import BootstrapServer, fetch_ranks, register_rank
+    from pdserve.disagg.bootstrap import BootstrapServer, fetch_ranks, reachable_host, register_rank
     from pdserve.disagg.manager import LinkConfig
     from pdserve.disagg.rooms import Deadlines
     from pdserve.disagg.transfer import MooncakeTransfer
@@ -111,16 +111,17 @@ def build_disagg_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: C
         handshake_timeout_s=args.disaggregation_bootstrap_timeout,
         deadlines=Deadlines(args.disaggregation_bootstrap_timeout, args.disaggregation_waiting_timeout,
                             args.disaggregation_transfer_timeout))
-    engine = MooncakeTransfer(args.host, args.disaggregation_ib_device or "")
+    host = reachable_host(args.host)  # what peers dial: never a wildcard address
+    engine = MooncakeTransfer(host, args.disaggregation_ib_device or "")
     if args.disaggregation_mode == "decode":
         return DecodeScheduler(args, runner, decode_text, engine,
                                lambda url: fetch_ranks(url, args.disaggregation_bootstrap_timeout), tp,
-                               host=args.host, link=link)
-    sched = PrefillScheduler(args, runner, decode_text, engine, tp, host=args.host, link=link)
+                               host=host, link=link)
+    sched = PrefillScheduler(args, runner, decode_text, engine, tp, host=host, link=link)
     if tp.rank == 0:
         sched.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
-    register_rank(f"http://{args.host}:{args.disaggregation_bootstrap_port}",
-                  sched.manager.rank_info(tp.size, args.host), args.disaggregation_bootstrap_timeout)
+    register_rank(f"http://{host}:{args.disaggregation_bootstrap_port}",
+                  sched.manager.rank_info(tp.size, host), args.disaggregation_bootstrap_timeout)
     return sched
 
 
