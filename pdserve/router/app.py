@@ -167,6 +167,12 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(str(exc.detail), exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        # A router bug still answers in the API's error shape (and is logged with its traceback).
+        logger.error("router error", exc_info=exc)
+        return _error(f"router error: {type(exc).__name__}: {exc}", 500)
+
     # ---- generation -------------------------------------------------------------------
     async def generation(route: str, request: Request) -> Response:
         arrived = time.perf_counter()

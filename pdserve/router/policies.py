@@ -75,7 +75,7 @@ class CacheAware:
         self.threshold = threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.tree = PrefixTree(max_tree_size)
-        self._ties = itertools.count()
+        self._new_prefixes: dict[str, int] = {}  # worker -> prefixes it got without affinity
 
     def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
         least = self._least_loaded(candidates)
@@ -87,14 +87,15 @@ class CacheAware:
         chosen = best if share > self.threshold else least
         if chosen.in_flight - least.in_flight > self.balance_abs_threshold:
             chosen = least
+        if chosen is least and share <= self.threshold:
+            self._new_prefixes[chosen.url] = self._new_prefixes.get(chosen.url, 0) + 1
         self.tree.insert(key, chosen.url)
         return chosen
 
     def _least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
-        low = min(c.in_flight for c in candidates)
-        tied = [c for c in candidates if c.in_flight == low]
-        # Rotate among equally loaded workers so that new prefixes spread out.
-        return tied[next(self._ties) % len(tied)]
+        """Fewest in flight; among those, the one that has been given the fewest new
+        prefixes, so that distinct prefixes (and the cache they fill) spread out."""
+        return min(candidates, key=lambda c: (c.in_flight, self._new_prefixes.get(c.url, 0)))
 
 
 def make_policy(name: str, *, threshold: float = 0.5, balance_abs_threshold: int = 32,

@@ -325,3 +325,15 @@ def test_metrics_exposition():
                      "pdserve_router:worker_healthy", "pdserve_router:time_to_first_token_seconds"):
             assert name in text, name
         assert dep.metric("pdserve_router:requests_total", route="/v1/completions", outcome="success") == 1
+
+
+def test_cache_aware_prefill_routing_through_the_router():
+    with fake_deployment(2, 2, "--prefill-policy", "cache_aware", "--decode-policy", "power_of_two") as dep:
+        system = "You are a helpful assistant. " * 8
+        for q in ("first question", "second question", "third question"):
+            body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}
+            assert dep.client.post("/v1/chat/completions", json=body).status_code == 200
+        counts = sorted(len(w.requests) for w in dep.prefill)
+        assert counts == [0, 3]  # one prefix, one prefill server
+        assert dep.client.post("/v1/completions", json={"prompt": "unrelated text entirely"}).status_code == 200
+        assert sorted(len(w.requests) for w in dep.prefill) == [1, 3]  # a new prefix: the idle one
