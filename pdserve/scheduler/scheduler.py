@@ -637,6 +637,7 @@ class Scheduler:
             "num_retractions": self.num_retractions,
             "num_forward_steps": self.num_forward_steps,
             "token_usage": used / max(1, mem["kv_pages_total"]),
+            "num_used_tokens": used * self.page_size,
             "cache_hit_rate": self.cached_tokens_seen / max(1, self.prompt_tokens_seen),
             "context_len": self.context_len,
             "avg_spec_accept_length": self.spec.avg_accept_length if self.spec is not None else None,

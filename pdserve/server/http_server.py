@@ -106,10 +106,19 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
                                             "owned_by": "pdserve", "max_model_len": context_len}]}
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # the newer SGLang spelling its router tries first
     async def model_info() -> dict[str, Any]:
         return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path, "is_generation": True}
 
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, Any]]:
+        """Load as SGLang reports it (its router's power_of_two policy reads it)."""
+        st = await manager.get_state()
+        return [{"dp_rank": 0, "num_reqs": st["num_running_reqs"] + st["num_waiting_reqs"],
+                 "num_waiting_reqs": st["num_waiting_reqs"], "num_tokens": st["num_used_tokens"]}]
+
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def get_server_info() -> dict[str, Any]:
         info = server_info()
         info["internal_state"] = await manager.get_state()
@@ -184,6 +193,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
     # ---- native /generate -----------------------------------------------------------
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> Response:
+        refuse_unsupported(req)
         b = manager.builder
         try:
             prompts, single = b.token_ids(req.text, req.input_ids, "text", "input_ids")

@@ -80,6 +80,7 @@ class SGLangExtensions(_Strict):
     spaces_between_special_tokens: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     # Would change results: refused when set.
+    continue_final_message: Optional[bool] = None
     return_hidden_states: Optional[bool] = None
     regex: Optional[str] = None
     json_schema: Optional[str] = None
@@ -90,7 +91,8 @@ class SGLangExtensions(_Strict):
 # Fields refused whenever they are set to something other than "off".
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
                "suffix", "audio", "modalities", "prediction", "web_search_options", "return_hidden_states",
-               "regex", "json_schema", "ebnf", "lora_path", "reasoning_effort")
+               "regex", "json_schema", "ebnf", "lora_path", "reasoning_effort", "continue_final_message",
+               "background", "return_bytes", "return_entropy", "return_text_in_logprobs")
 _OFF_VALUES: tuple[Any, ...] = (None, False, {}, [], "none", "auto", "text", {"type": "text"})
 
 
@@ -172,10 +174,20 @@ class GenerateRequest(_Strict):
     logprob_start_len: Optional[int] = None
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
-    # Prefill/decode disaggregation (set by a PD router; per prompt when lists)
+    # Prefill/decode disaggregation (set by a PD router; per sample when lists)
     bootstrap_host: Optional[Union[str, list[str]]] = None
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
     bootstrap_room: Optional[Union[int, list[int]]] = None
+    # What SGLang's router adds to every /generate body. Without effect here:
+    model: Optional[str] = None
+    log_metrics: Optional[bool] = None
+    no_logs: Optional[bool] = None
+    # Would change the response: refused when set.
+    return_hidden_states: Optional[bool] = None
+    return_text_in_logprobs: Optional[bool] = None
+    background: Optional[bool] = None
+    return_bytes: Optional[bool] = None
+    return_entropy: Optional[bool] = None
 
 
 def refuse_unsupported(req: BaseModel) -> None:
