@@ -97,3 +97,25 @@ def test_seed2_eagle3_across_the_split_first_round_acceptance(make_engine, dirs,
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.parametrize("p_algo,d_algo", [(None, None), ("EAGLE", "EAGLE"), ("EAGLE", None), (None, "EAGLE3"),
+                                           ("EAGLE3", None), ("EAGLE3", "EAGLE3")],
+                         ids=["plain", "eagle", "eagle-to-plain", "plain-to-eagle3", "eagle3-to-plain", "eagle3"])
+def test_demo_model_configuration_matrix(make_engine, dirs, questions, p_algo, d_algo):
+    """The compatible cells of {P plain, EAGLE, EAGLE3} x {D plain, EAGLE, EAGLE3} on the demo
+    model and its trained heads (seed1 is the plain -> EAGLE cell; EAGLE x EAGLE3 is refused at
+    handshake, tested with random heads), page size 16 and chunked prefill on prefill."""
+    tok, convs, ids = questions
+    ids = ids[::4]
+    ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ids, sampling_params=PARAMS)]
+    p = sched(PrefillScheduler, dirs, p_algo, {"chunked_prefill_size": 32, "page_size": 16})
+    d = sched(DecodeScheduler, dirs, d_algo, {"page_size": 16},
+              fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    try:
+        assert run_pair(p, d, ids, PARAMS) == ref
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
