@@ -4,7 +4,6 @@ that go away, health-based rotation."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
