@@ -19,7 +19,8 @@ from pdserve.requests import check_text
 from pdserve.sampling_params import SamplingParams
 from pdserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                      from_value_error, refuse_unsupported)
-from pdserve.server.tokenizer_manager import Job, RequestState, SampleResult, ServerUnavailable, TokenizerManager
+from pdserve.server.tokenizer_manager import (ClientGone, Job, RequestState, SampleResult, ServerUnavailable,
+                                              TokenizerManager)
 
 CLIENT_ABORT = "aborted by the client"
 
@@ -73,6 +74,10 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
     @app.exception_handler(ServerUnavailable)
     async def _unavailable(_: Request, exc: ServerUnavailable) -> JSONResponse:
         return JSONResponse(error_body(str(exc), "server_error", None, 503), status_code=503)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client closed the connection
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
@@ -190,10 +195,19 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
             at += c
         return out
 
+    async def client_gone(request: Request) -> None:
+        """Returns when the client of a request whose body was read disconnects (the
+        ASGI server's next message for it is http.disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     # ---- native /generate -----------------------------------------------------------
     @app.post("/generate")
-    async def generate(req: GenerateRequest) -> Response:
+    async def generate(req: GenerateRequest, request: Request) -> Response:
         refuse_unsupported(req)
+        if req.logprob_start_len is not None and req.logprob_start_len != -1:
+            raise ApiError("logprob_start_len: prompt logprobs are not supported (only -1: output logprobs)",
+                           "logprob_start_len")
         b = manager.builder
         try:
             prompts, single = b.token_ids(req.text, req.input_ids, "text", "input_ids")
@@ -207,7 +221,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
             raise from_value_error(exc) from None
         if req.stream:
             return StreamingResponse(_generate_stream(job), media_type="text/event-stream")
-        await manager.wait(job)
+        await manager.wait(job, client_gone(request))
         results = [_native_result(st, s) for st in job.states for s in st.samples]
         return JSONResponse(results[0] if single and len(results) == 1 else results)
 
@@ -279,7 +293,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
             raise from_value_error(ValueError(text)) from None
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
+    async def completions(req: CompletionRequest, request: Request) -> Response:
         refuse_unsupported(req)
         check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
@@ -303,7 +317,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         top = req.logprobs or 0
         try:
             job = await manager.submit(prompts, params, req.logprobs is not None, top,
-                                       [req.rid] if req.rid else None, bootstrap_of(req, params))
+                                       [req.rid] if isinstance(req.rid, str) else req.rid, bootstrap_of(req, params))
         except ValueError as exc:
             raise from_value_error(ValueError(str(exc).replace("max_new_tokens", "max_tokens"))) from None
         cid = f"cmpl-{job.states[0].rid}"
@@ -332,7 +346,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
                 return {"index": job.flat_index(state, s.index), "text": text, "logprobs": lp,
                         "finish_reason": finish}
             return openai_stream(job, "text_completion", cid, created, req.stream_options, choice)
-        await manager.wait(job)
+        await manager.wait(job, client_gone(request))
         _raise_server_abort(job)
         choices = []
         for st in job.states:
@@ -366,7 +380,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
         return prompt_text
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         refuse_unsupported(req)
         check_model(req.model)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -410,7 +424,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
                     return None
                 return {"index": s.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             return openai_stream(job, "chat.completion.chunk", cid, created, req.stream_options, chat_choice)
-        await manager.wait(job)
+        await manager.wait(job, client_gone(request))
         _raise_server_abort(job)
         st = job.states[0]
         choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},

@@ -97,6 +97,7 @@ _OFF_VALUES: tuple[Any, ...] = (None, False, {}, [], "none", "auto", "text", {"t
 
 
 class CompletionRequest(SGLangExtensions):
+    rid: Optional[Union[str, list[str]]] = None  # one per prompt for a list of prompts
     model: Optional[str] = None
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
@@ -171,7 +172,7 @@ class GenerateRequest(_Strict):
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    logprob_start_len: Optional[int] = None
+    logprob_start_len: Optional[int] = None   # -1 (or unset): output logprobs only; prompt logprobs refused
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
     # Prefill/decode disaggregation (set by a PD router; per sample when lists)

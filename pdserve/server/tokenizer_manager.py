@@ -9,11 +9,12 @@ in-flight request then ends with an error and /health turns unhealthy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 import zmq
 import zmq.asyncio
@@ -65,6 +66,13 @@ class RequestState:
         return self.error is not None or all(s.finish is not None for s in self.samples)
 
 
+EARLY_ABORT_S = 10.0       # how long an abort waits for its request to arrive
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected; its prompts were aborted."""
+
+
 @dataclass
 class Job:
     """The prompts of one HTTP request and the queue their updates arrive on."""
@@ -98,6 +106,9 @@ class TokenizerManager:
         self.to_scheduler = ipc.socket(self.ctx, zmq.PUSH, paths.scheduler, bind=False)
         self.inbox = ipc.socket(self.ctx, zmq.PULL, paths.http, bind=True)
         self.requests: dict[str, RequestState] = {}
+        # rid -> when an abort for it arrived before the request did (a router aborts
+        # the other leg of a failed request, which may still be on its way here).
+        self.early_aborts: dict[str, float] = {}
         self.replies: dict[str, asyncio.Future] = {}
         self.query_lock = asyncio.Lock()
         self.dead_reason: str | None = None
@@ -148,10 +159,19 @@ class TokenizerManager:
         for state in states:
             self.requests[state.rid] = state
         await self.to_scheduler.send(ipc.dumps(Command(add=tuple(heads))))
+        overtaken = tuple(st.rid for st in states if self.early_aborts.pop(st.rid, None) is not None)
+        if overtaken:
+            await self.to_scheduler.send(ipc.dumps(Command(abort=overtaken)))
         return Job(states, queue)
 
     async def abort(self, rid: str) -> bool:
+        """Abort a live request; an abort that overtakes its request is remembered for
+        EARLY_ABORT_S and applied when the request arrives. Returns whether it was live."""
         if rid not in self.requests:
+            now = time.monotonic()
+            for old in [r for r, t in self.early_aborts.items() if now - t > EARLY_ABORT_S]:
+                del self.early_aborts[old]
+            self.early_aborts[rid] = now
             return False
         await self.to_scheduler.send(ipc.dumps(Command(abort=(rid,))))
         return True
@@ -178,10 +198,27 @@ class TokenizerManager:
                 if not state.finished:
                     await self.abort(state.rid)
 
-    async def wait(self, job: Job) -> Job:
-        async for _ in self.stream(job):
-            pass
-        return job
+    async def wait(self, job: Job, client_gone: Awaitable[None] | None = None) -> Job:
+        """Until every prompt finished. ``client_gone`` completes when the client of a
+        non-streaming request disconnects: then the unfinished prompts are aborted
+        (``stream`` does that when it is stopped) and ``ClientGone`` is raised."""
+        async def consume() -> Job:
+            async for _ in self.stream(job):
+                pass
+            return job
+        if client_gone is None:
+            return await consume()
+        task, watcher = asyncio.ensure_future(consume()), asyncio.ensure_future(client_gone)
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientGone()
+        finally:
+            watcher.cancel()
 
     # ---- queries --------------------------------------------------------------------
     async def query(self, cmd: Command, kind: str, timeout: float = 30.0) -> Any:

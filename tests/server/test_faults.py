@@ -41,13 +41,13 @@ def engine(llama_dir):
 def long_stream_requests(model: str):
     """(path, body) of streaming requests that would run for many seconds."""
     return [
-        ("/v1/completions", {"model": model, "prompt": "disconnect me", "max_tokens": 500,
+        ("/v1/completions", {"model": model, "prompt": "disconnect me", "max_tokens": 960,
                              "temperature": 0, "ignore_eos": True, "stream": True}),
         ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "bye"}],
-                                  "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+                                  "max_tokens": 960, "temperature": 0, "ignore_eos": True,
                                   "stream": True}),
         ("/generate", {"text": "disconnect me too", "stream": True,
-                       "sampling_params": dict(GREEDY, max_new_tokens=500)}),
+                       "sampling_params": dict(GREEDY, max_new_tokens=960)}),
     ]
 
 
@@ -72,7 +72,7 @@ def test_disconnect_aborts_and_frees_kv(server, llama_dir):
             assert got == 3
         st = server.state()
         assert st["num_running_reqs"] + st["num_waiting_reqs"] == 3, st
-    # The connections are closed: the requests (500 tokens, tens of seconds) must stop now.
+    # The connections are closed: the requests (960 tokens each) must stop now.
     t0 = time.monotonic()
     deadline = t0 + 5.0
     while True:

@@ -1,0 +1,74 @@
+"""Aborts a router relies on: a non-streaming request whose client disconnects is aborted
+(KV freed); an abort that overtakes its request is applied when the request arrives;
+batched completions take one rid per prompt; prompt logprobs are refused, not ignored."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import GREEDY
+from tests.server.conftest import assert_openai_error
+
+
+@pytest.fixture(scope="module")
+def server(start_server, llama_dir):
+    s = start_server(llama_dir)
+    yield s
+    s.close()
+
+
+def wait_idle_within(server, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        st = server.state()
+        if st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0:
+            return
+        assert time.monotonic() < deadline, f"still running {seconds}s later: {st}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"text": "long", "sampling_params": dict(GREEDY, max_new_tokens=960)}),
+    ("/v1/completions", {"prompt": "long", "max_tokens": 960, "temperature": 0, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "long"}], "max_tokens": 960,
+                              "temperature": 0, "ignore_eos": True}),
+])
+def test_non_streaming_client_disconnect_aborts(server, llama_dir, path, body):
+    if path != "/generate":
+        body = dict(body, model=str(llama_dir))
+    server.assert_pools_full()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + path, json=body, headers=server.headers, timeout=httpx.Timeout(5, read=0.5))
+    wait_idle_within(server, 3.0)  # 960 tokens would take much longer
+    server.assert_pools_full()
+
+
+def test_abort_that_overtakes_its_request_is_applied_on_arrival(server):
+    r = server.client.post("/abort_request", json={"rid": "early-1"})
+    assert r.status_code == 200 and r.json() == {"rid": "early-1", "aborted": False}
+    t0 = time.monotonic()
+    out = server.client.post("/generate", json={"text": "x", "rid": "early-1",
+                                                 "sampling_params": dict(GREEDY, max_new_tokens=960)}).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort", out["meta_info"]
+    assert len(out["output_ids"]) < 960 and time.monotonic() - t0 < 5
+    # Remembered once: the same rid later runs normally.
+    out = server.client.post("/generate", json={"text": "x", "rid": "early-1",
+                                                 "sampling_params": dict(GREEDY, max_new_tokens=4)}).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_batched_completions_take_one_rid_per_prompt(server, llama_dir):
+    body = {"model": str(llama_dir), "prompt": ["a", "b"], "max_tokens": 3, "temperature": 0}
+    r = server.client.post("/v1/completions", json=dict(body, rid=["c-1", "c-2"]))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    assert_openai_error(server.client.post("/v1/completions", json=dict(body, rid=["c-3"])), fields=("rid",))
+
+
+def test_prompt_logprobs_are_refused(server):
+    body = {"text": "abc", "return_logprob": True, "sampling_params": dict(GREEDY, max_new_tokens=2)}
+    assert_openai_error(server.client.post("/generate", json=dict(body, logprob_start_len=0)),
+                        fields=("logprob_start_len",))
+    assert server.client.post("/generate", json=dict(body, logprob_start_len=-1)).status_code == 200
