@@ -393,7 +393,6 @@ def test_plot_without_matplotlib_fails_first_with_a_clear_message(monkeypatch, c
 
 
 def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
     records = [rec(0.1 * i, 1.0 + i, 5, [0.05 * i] * 4) for i in range(1, 6)]
     serving.plot_latencies({"a": records, "b": records[:2]}, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
