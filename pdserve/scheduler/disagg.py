@@ -129,6 +129,9 @@ class PrefillScheduler(Scheduler):
                     raise HandshakeError(f"decode's draft reads target features {list(layers) or 'final'}, this "
                                          f"prefill server's draft captures {list(mine) or 'final'}")
                 pool = self.spec.features
+                if self._capture is None:  # register once: Mooncake writes only from registered memory
+                    self.engine.register(pool.data_ptr(), pool.numel() * pool.element_size())  # type: ignore
+                    self._capture = (tuple(mine), pool)
             elif self._capture is not None:
                 if tuple(layers) != self._capture[0]:
                     raise HandshakeError(f"this prefill server already captures target features "
