@@ -3,6 +3,7 @@ chat request through the OpenAI client, and Ctrl-C stops every process it starte
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -43,6 +44,10 @@ def test_up_serves_chat_and_ctrl_c_stops_everything():
         assert f"http://127.0.0.1:{port}" in "".join(lines) and "curl" in "".join(lines)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len([c for c in children if "pdserve" in " ".join(c.cmdline())]) >= 3  # 2 servers + router
+        # The two servers split the machine's cores (unless the user set OMP_NUM_THREADS).
+        want = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
+        servers = [c for c in children if "pdserve.launch_server" in " ".join(c.cmdline())]
+        assert len(servers) == 2 and all(c.environ().get("OMP_NUM_THREADS") == want for c in servers)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         out = client.chat.completions.create(model="pdserve-demo", max_tokens=16, temperature=0,
                                              messages=[{"role": "user", "content": "Repeat: abcdefgh"}])
