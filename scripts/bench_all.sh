@@ -194,7 +194,13 @@ pdserve_server() {
     local extra=()
     BOOT=""
     if printf '%s\n' "$@" | grep -qx prefill; then BOOT="$(free_port)"; extra=(--disaggregation-bootstrap-port "$BOOT"); fi
-    start "$name" $PYTHON -m pdserve.launch_server --host 127.0.0.1 --port "$port" \
+    # A prefill and a decode server share the machine: each gets half the cores, as
+    # `pdserve up` does (two full-width OpenMP pools on the same cores stall each other).
+    local threads=()
+    if printf '%s\n' "$@" | grep -qxE 'prefill|decode'; then
+        threads=("OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 ))}")
+    fi
+    start "$name" env "${threads[@]}" $PYTHON -m pdserve.launch_server --host 127.0.0.1 --port "$port" \
         --max-total-tokens "$MAX_TOTAL_TOKENS" --page-size "$PAGE_SIZE" "${extra[@]}" "$@"
     URL="http://127.0.0.1:$port"
     eval "PID_$name=$LAST_PID URL_$name=$URL BOOT_$name=$BOOT"
@@ -279,8 +285,8 @@ section1() {
         --random-output-len "$S1_OUT" --random-range-ratio "$S1_RATIO" --num-prompts "$S1_PROMPTS"
         --request-rate inf --max-concurrency "$S1_CONC" --warmup-requests 2)
     note "$d" "python -m pdserve.launch_server --port \$COLO --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE"
-    note "$d" "python -m pdserve.launch_server --port \$P --disaggregation-mode prefill --disaggregation-bootstrap-port \$BOOT --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE"
-    note "$d" "python -m pdserve.launch_server --port \$D --disaggregation-mode decode --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE"
+    note "$d" "OMP_NUM_THREADS=\$((\$(nproc) / 2)) python -m pdserve.launch_server --port \$P --disaggregation-mode prefill --disaggregation-bootstrap-port \$BOOT --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE"
+    note "$d" "OMP_NUM_THREADS=\$((\$(nproc) / 2)) python -m pdserve.launch_server --port \$D --disaggregation-mode decode --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE"
     note "$d" "python -m pdserve.router --pd-disaggregation --prefill http://127.0.0.1:\$P \$BOOT --decode http://127.0.0.1:\$D --port \$ROUTER"
     note "$d" "python -m pdserve.bench.serving --base-url http://127.0.0.1:\$COLO ${load[*]}   # then --base-url http://127.0.0.1:\$ROUTER"
     # Both deployments start together (startup is the slow part here); an idle server
@@ -335,8 +341,8 @@ section3() {
     local load=(--backend pdserve --dataset-name multiturn --num-conversations "$S3_CONVS" --request-rate "$S3_RATE"
                 --warmup-requests 4)
     local spec; spec="$(spec_flags EAGLE "$S3_SHAPE")"
-    note "$d" "python -m pdserve.launch_server --port \$D --disaggregation-mode decode --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE $(short_flags EAGLE "$S3_SHAPE")"
-    note "$d" "python -m pdserve.launch_server --port \$P --disaggregation-mode prefill --disaggregation-bootstrap-port \$BOOT --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE [P with SPS: the same speculative flags]"
+    note "$d" "OMP_NUM_THREADS=\$((\$(nproc) / 2)) python -m pdserve.launch_server --port \$D --disaggregation-mode decode --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE $(short_flags EAGLE "$S3_SHAPE")"
+    note "$d" "OMP_NUM_THREADS=\$((\$(nproc) / 2)) python -m pdserve.launch_server --port \$P --disaggregation-mode prefill --disaggregation-bootstrap-port \$BOOT --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE [P with SPS: the same speculative flags]"
     note "$d" "python -m pdserve.router --pd-disaggregation --prefill http://127.0.0.1:\$P \$BOOT --decode http://127.0.0.1:\$D --port \$ROUTER"
     note "$d" "python -m pdserve.bench.serving --base-url http://127.0.0.1:\$ROUTER ${load[*]}"
     # A pair per row, so neither row sees the other's prefix cache or acceptance counters.
