@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 
@@ -267,6 +267,17 @@ class Proxy:
 
     # ---- non-streaming -------------------------------------------------------------------
     async def unary(self, route: str, body: dict[str, Any]) -> Reply:
+        result = await self._with_retries(route, body, lambda att, content: self._unary_attempt(att, content, body),
+                                          keeps_attempt=False)
+        assert isinstance(result, Reply)
+        return result
+
+    async def _with_retries(self, route: str, body: dict[str, Any],
+                            run: Callable[[_Attempt, bytes], Awaitable[Any]], keeps_attempt: bool) -> Any:
+        """Run attempts on fresh pairs until one succeeds, a failure is not retryable, the
+        client aborted, or the retries are spent (then the last failure's reply).
+        ``keeps_attempt``: a successful attempt stays registered (a stream forgets it
+        when it closes)."""
         shape = shape_of(route, body)
         exclude: set[Worker] = set()
         failure: Failure | None = None
@@ -280,11 +291,15 @@ class Proxy:
                                failure.message if failure else "")
             att, content = self._prepare(route, body, shape, pair, attempt)
             try:
-                result = await self._unary_attempt(att, content, body)
-            finally:
+                result = await run(att, content)
+            except BaseException:
                 self._forget(body, att)
-            if isinstance(result, Reply):
+                raise
+            if not isinstance(result, Failure):
+                if not keeps_attempt:
+                    self._forget(body, att)
                 return result
+            self._forget(body, att)
             failure = result
             if not failure.retryable or att.client_aborted:
                 break
@@ -350,33 +365,8 @@ class Proxy:
     async def open_stream(self, route: str, body: dict[str, Any], arrived: float) -> "StreamSession | Reply":
         """Everything up to decode's first event, retried like a unary request; then a
         session that streams the rest (nothing after this point is retried)."""
-        shape = shape_of(route, body)
-        exclude: set[Worker] = set()
-        failure: Failure | None = None
-        for attempt in range(self.retries + 1):
-            pair = self._pick(route, body, exclude)
-            if isinstance(pair, Failure):
-                return pair.reply() if failure is None else failure.reply()
-            if attempt:
-                self.metrics.retries.inc()
-                logger.warning("retrying %s on %s + %s after: %s", route, pair[0] and pair[0].url, pair[1].url,
-                               failure.message if failure else "")
-            att, content = self._prepare(route, body, shape, pair, attempt)
-            try:
-                result = await self._stream_attempt(att, content, body, arrived)
-            except BaseException:
-                self._forget(body, att)
-                raise
-            if isinstance(result, StreamSession):
-                return result  # forgets the attempt when it closes
-            self._forget(body, att)
-            failure = result
-            if not failure.retryable or att.client_aborted:
-                break
-            if failure.worker is not None:
-                exclude.add(failure.worker)
-        assert failure is not None
-        return failure.reply()
+        return await self._with_retries(
+            route, body, lambda att, content: self._stream_attempt(att, content, body, arrived), keeps_attempt=True)
 
     async def _stream_attempt(self, att: _Attempt, content: bytes, body: dict[str, Any],
                               arrived: float) -> "StreamSession | Failure":

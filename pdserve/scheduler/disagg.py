@@ -441,6 +441,8 @@ class DecodeScheduler(Scheduler):
 
     def _check_transfers(self, transferring: list[Req], codes: list[int], out: StepOutput) -> None:
         for req, code in zip(transferring, codes):
+            if code == WAITING:
+                continue
             room = req.bootstrap_room
             assert room is not None
             state, record, reason = self.manager.poll(room)
