@@ -50,6 +50,8 @@ class ServerArgs:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "torch_native"
     disable_radix_cache: bool = False
+    # torch_native decode keeps running requests' KV contiguous (pdserve/model/decode_mirror.py).
+    disable_decode_kv_mirror: bool = False
     schedule_policy: str = "fcfs"
     random_seed: int | None = None
     context_length: int | None = None

@@ -16,10 +16,13 @@ Two shapes of work:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from pdserve.model.decode_mirror import MirrorStep
 
 
 class KVStore(Protocol):
@@ -52,6 +55,7 @@ class ForwardContext:
     # decode
     kv_indices: torch.Tensor | None = None  # [B, Lk] slots per row (0 = padding slot)
     attn_mask: torch.Tensor | None = None   # [B, 1, 1, Lk]
+    mirror: "MirrorStep | None" = None      # set: read KV from the decode mirror, not the pool
     # extend
     kv_flat: torch.Tensor | None = None     # [sum kv_len] slots of all rows, row after row
     spans: tuple[RowSpan, ...] = ()
@@ -164,6 +168,8 @@ class TorchNativeAttention:
                 ctx: ForwardContext) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq*D]."""
         self.pool.write(layer, ctx.out_cache_loc, k, v)
+        if ctx.mirror is not None:
+            return ctx.mirror.mirror.attend(layer, q, k, v, ctx.mirror, self.scale)
         if ctx.is_decode:
             return self._decode(layer, q, ctx)
         if ctx.q_per_row:

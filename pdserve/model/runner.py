@@ -10,6 +10,7 @@ import torch
 
 from pdserve.config import ConfigError, ServerArgs
 from pdserve.model.attention import ForwardContext, KVStore, TorchNativeAttention
+from pdserve.model.decode_mirror import DecodeKVMirror
 from pdserve.model.layers import Linear, RotaryEmbedding
 from pdserve.model.loader import load_weights
 from pdserve.model.model_config import ModelConfig
@@ -32,6 +33,8 @@ class ForwardInput:
     # Tree verification: RoPE positions of the new tokens and per-row ancestry masks.
     positions: torch.Tensor | None = None
     extra_masks: list[torch.Tensor | None] | None = None
+    # Plain decode steps: one key per row naming the request (see DecodeKVMirror).
+    decode_keys: list[int] | None = None
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -66,12 +69,18 @@ class ModelRunner:
         self.num_local_kv_heads = attn.num_kv_heads
         self.rotary = RotaryEmbedding(cfg.head_dim, self.context_len, cfg.rope).to(self.device)
         self.req_to_token: torch.Tensor | None = None
+        self.decode_mirror: DecodeKVMirror | None = None
 
-    def bind_memory(self, kv_pool: KVStore, req_to_token: torch.Tensor) -> None:
+    def bind_memory(self, kv_pool: KVStore, req_to_token: torch.Tensor, pool_tokens: int) -> None:
         backend = TorchNativeAttention(kv_pool, self.num_local_heads, self.num_local_kv_heads,
                                        self.config.head_dim)
         self.model.bind(backend, self.rotary)
         self.req_to_token = req_to_token
+        if not self.args.disable_decode_kv_mirror:
+            # Bounded to a quarter of the pool: past that, decode gathers from the pool.
+            self.decode_mirror = DecodeKVMirror(kv_pool, self.config.num_layers, self.num_local_kv_heads,
+                                                self.config.head_dim, self.dtype, self.device,
+                                                max_tokens=pool_tokens // 4)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardInput) -> torch.Tensor:
@@ -88,6 +97,9 @@ class ModelRunner:
         assert self.req_to_token is not None, "bind_memory() first"
         ctx = ForwardContext.build(self.req_to_token, batch.rows, batch.prefix_lens, batch.extend_lens,
                                    batch.extra_masks, batch.positions)
+        if self.decode_mirror is not None and batch.decode_keys is not None and ctx.is_decode:
+            ctx.mirror = self.decode_mirror.prepare(batch.decode_keys, self.req_to_token, batch.rows,
+                                                    batch.prefix_lens)
         hidden, captured = self.model(batch.input_ids, ctx, capture_layers or ())
         logits = self.model.compute_logits(hidden[batch.sample_index])
         if capture_layers is None:

@@ -77,6 +77,7 @@ class ReqToTokenPool:
         self.table = torch.zeros(num_rows, max_context_len, dtype=torch.int64, device=device)
         self.num_rows = num_rows
         self._free = list(range(num_rows - 1, -1, -1))
+        self._allocations = [0] * num_rows  # per row, to tell its successive requests apart
 
     @property
     def num_free(self) -> int:
@@ -85,7 +86,13 @@ class ReqToTokenPool:
     def alloc(self) -> int:
         if not self._free:
             raise OutOfPages("no free request slot")
-        return self._free.pop()
+        row = self._free.pop()
+        self._allocations[row] += 1
+        return row
+
+    def key(self, row: int) -> int:
+        """Names the request holding ``row`` now: no earlier or later holder shares it."""
+        return self._allocations[row] * self.num_rows + row
 
     def free(self, row: int) -> None:
         if row in self._free:

@@ -106,7 +106,7 @@ class Scheduler:
         # positions are never committed (a request finishes at the context length).
         self.decode_room = room
         self.req_table = ReqToTokenPool(args.max_running_requests, self.context_len + room, self.device)
-        runner.bind_memory(self.kv_pool, self.req_table.table)
+        runner.bind_memory(self.kv_pool, self.req_table.table, num_pages * self.page_size)
         if self.spec is not None:
             self.spec.bind(self.req_table.table)
         self.cache: RadixCache | ChunkCache = (
@@ -384,6 +384,7 @@ class Scheduler:
             input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev),
             rows=rows, prefix_lens=pos, extend_lens=torch.ones_like(pos),
             sample_index=torch.arange(len(reqs), device=dev),
+            decode_keys=[self.req_table.key(r.row) for r in reqs],
         )
         for r in reqs:
             r.kv_len += 1

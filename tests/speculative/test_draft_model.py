@@ -116,7 +116,7 @@ def test_eagle3_capture_follows_sglang_layer_ids(tmp_path, target_dir, runner, h
     row = table.alloc()
     table.table[row, :10] = torch.arange(1, 11)
     runner.bind_memory(TokenToKVPool("target", 4, 64, 2, runner.config.head_dim, torch.float32, runner.device),
-                       table.table)
+                       table.table, 64)
     ctx = ForwardContext.build(table.table, torch.tensor([row]), torch.tensor([0]), torch.tensor([10]))
     with torch.no_grad():
         final, captured = runner.model(ids[0], ctx, cfg.capture_layers)
