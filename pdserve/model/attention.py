@@ -15,7 +15,7 @@ Two shapes of work:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -62,6 +62,8 @@ class ForwardContext:
     # tree verification: every row adds the same number of tokens; one batched
     # SDPA over kv_indices with attn_mask [B, 1, q_per_row, Lk]
     q_per_row: int = 0
+    # RoPE cos/sin at `positions`, per rotary table (filled by the first layer)
+    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def for_rows(cls, kv_indices: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
@@ -71,6 +73,12 @@ class ForwardContext:
         row's own slot (out_cache_loc) must be among its valid entries."""
         return cls(positions, out_cache_loc, kv_indices.shape[0], True,
                    kv_indices=torch.where(valid, kv_indices, 0), attn_mask=valid.view(valid.shape[0], 1, 1, -1))
+
+    @classmethod
+    def mirrored(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
+                 step: "MirrorStep") -> "ForwardContext":
+        """A plain decode step whose KV the decode mirror serves (no slot lists needed)."""
+        return cls(prefix_lens.clone(), req_to_token[rows, prefix_lens], rows.shape[0], True, mirror=step)
 
     @classmethod
     def build(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,

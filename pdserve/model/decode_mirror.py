@@ -38,6 +38,7 @@ class MirrorStep:
     positions: torch.Tensor     # [B] position each batch row writes this step
     attn_mask: torch.Tensor     # [n, 1, 1, L] valid keys per mirror row
     length: int                 # L: keys attended (max row length)
+    in_order: bool              # mirror row i holds batch row i: no permutation needed
 
 
 class DecodeKVMirror:
@@ -93,7 +94,8 @@ class DecodeKVMirror:
         batch_of_row[mrows] = torch.arange(len(keys), device=dev)
         held = torch.tensor(self.lengths, dtype=torch.int64, device=dev)
         mask = torch.arange(length, device=dev).unsqueeze(0) < held.unsqueeze(1)
-        return MirrorStep(self, mrows, batch_of_row, prefix_lens, mask.view(len(keys), 1, 1, length), length)
+        return MirrorStep(self, mrows, batch_of_row, prefix_lens, mask.view(len(keys), 1, 1, length), length,
+                          mirror_rows == list(range(len(keys))))
 
     def _drop_absent(self, keep: set[int]) -> None:
         """Forget requests not in this step, moving the last rows into the holes."""
@@ -161,10 +163,11 @@ class DecodeKVMirror:
         vm[step.mirror_rows, :, step.positions] = v.to(self.dtype)
         b, heads = q.shape[0], self.num_kv_heads
         # The query heads sharing a KV head act as that head's query rows (GQA without expansion).
-        qm = q[step.batch_of_row].view(b, heads, -1, self.head_dim).to(self.dtype)
+        qm = q if step.in_order else q[step.batch_of_row]
         out = torch.nn.functional.scaled_dot_product_attention(
-            qm, km[:b, :, :step.length], vm[:b, :, :step.length], attn_mask=step.attn_mask, scale=scale)
-        return out.to(q.dtype)[step.mirror_rows].reshape(b, -1)
+            qm.view(b, heads, -1, self.head_dim).to(self.dtype), km[:b, :, :step.length], vm[:b, :, :step.length],
+            attn_mask=step.attn_mask, scale=scale).to(q.dtype)
+        return (out if step.in_order else out[step.mirror_rows]).reshape(b, -1)
 
 
 def _round_up(n: int) -> int:

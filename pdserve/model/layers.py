@@ -121,11 +121,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, heads, head_dim]; cos/sin: [T, 1, head_dim/2]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, 1, head_dim/2] at ``positions`` [T]."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, heads, head_dim]
+        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -33,7 +33,8 @@ class ForwardInput:
     # Tree verification: RoPE positions of the new tokens and per-row ancestry masks.
     positions: torch.Tensor | None = None
     extra_masks: list[torch.Tensor | None] | None = None
-    # Plain decode steps: one key per row naming the request (see DecodeKVMirror).
+    # Plain decode steps only (one new token per row, no masks): one key per row
+    # naming the request (see DecodeKVMirror).
     decode_keys: list[int] | None = None
 
 
@@ -95,11 +96,14 @@ class ModelRunner:
         when ``capture_layers`` is empty (EAGLE), else the residual streams entering
         those layers, concatenated (EAGLE3)); and the KV slot of every new token [T]."""
         assert self.req_to_token is not None, "bind_memory() first"
-        ctx = ForwardContext.build(self.req_to_token, batch.rows, batch.prefix_lens, batch.extend_lens,
-                                   batch.extra_masks, batch.positions)
-        if self.decode_mirror is not None and batch.decode_keys is not None and ctx.is_decode:
-            ctx.mirror = self.decode_mirror.prepare(batch.decode_keys, self.req_to_token, batch.rows,
-                                                    batch.prefix_lens)
+        step = None
+        if self.decode_mirror is not None and batch.decode_keys is not None:
+            step = self.decode_mirror.prepare(batch.decode_keys, self.req_to_token, batch.rows, batch.prefix_lens)
+        if step is not None:
+            ctx = ForwardContext.mirrored(self.req_to_token, batch.rows, batch.prefix_lens, step)
+        else:
+            ctx = ForwardContext.build(self.req_to_token, batch.rows, batch.prefix_lens, batch.extend_lens,
+                                       batch.extra_masks, batch.positions)
         hidden, captured = self.model(batch.input_ids, ctx, capture_layers or ())
         logits = self.model.compute_logits(hidden[batch.sample_index])
         if capture_layers is None:

@@ -43,7 +43,11 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(ctx.positions, q, k)
+        # Every layer of a forward rotates at the same positions: look them up once.
+        cos_sin = ctx.rope.get(id(self.rotary))
+        if cos_sin is None:
+            cos_sin = ctx.rope[id(self.rotary)] = self.rotary.cos_sin(ctx.positions)
+        q, k = self.rotary(ctx.positions, q, k, cos_sin)
         return self.o_proj(self.backend.forward(self.layer_id, q, k, v, ctx))
 
 
