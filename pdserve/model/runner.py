@@ -77,8 +77,10 @@ class ModelRunner:
                                        self.config.head_dim)
         self.model.bind(backend, self.rotary)
         self.req_to_token = req_to_token
-        if not self.args.disable_decode_kv_mirror:
+        if not self.args.disable_decode_kv_mirror and self.device.type == "cpu":
             # Bounded to a quarter of the pool: past that, decode gathers from the pool.
+            # Not on CUDA: there the pool is sized to fill the free device memory and
+            # a gather costs little next to the device's bandwidth.
             self.decode_mirror = DecodeKVMirror(kv_pool, self.config.num_layers, self.num_local_kv_heads,
                                                 self.config.head_dim, self.dtype, self.device,
                                                 max_tokens=pool_tokens // 4)
