@@ -121,7 +121,10 @@ class DecodeKVMirror:
         new_rows = 1 << (new_rows - 1).bit_length()
         new_len = max(_round_up(length), have_len)
         if new_rows * new_len > self.max_tokens:
-            new_rows = rows  # a power of two would not fit; the exact count does (prepare checked)
+            # Over budget with the rounded-up sizes: the exact need fits (prepare checked).
+            new_rows, new_len = max(rows, have_rows), max(_round_up(length), have_len)
+            if new_rows * new_len > self.max_tokens:
+                new_rows, new_len = rows, _round_up(length)
         shape = (new_rows, self.num_kv_heads, new_len, self.head_dim)
         held = len(self.lengths)
         keep = max(self.lengths, default=0)

@@ -137,3 +137,13 @@ def test_prepack_only_for_large_weights():
         x = torch.randn(rows, big.shape[1])
         torch.testing.assert_close(lin._matmul(x, None), torch.nn.functional.linear(x, big),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_exact_row_count_when_a_power_of_two_would_not_fit():
+    w = World(mirror_tokens=768)  # 3 rows x 256 fit, 4 (the next power of two) do not
+    rows = [w.admit(n) for n in (10, 100, 200)]
+    assert w.step(rows)
+    assert w.mirror.capacity == (3, 256)
+    for _ in range(60):  # the longest row passes 256 tokens: 3 x 512 is over budget
+        served = w.step(rows)
+    assert not served and w.mirror.capacity == (0, 0)
