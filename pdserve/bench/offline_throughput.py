@@ -37,7 +37,8 @@ def run_pdserve(model_dir: Path, prompts: list[list[int]], output_len: int, args
 
     params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
     with Engine(model_path=str(model_dir), max_total_tokens=args.max_total_tokens,
-                chunked_prefill_size=args.chunked_prefill_size, disable_radix_cache=True) as engine:
+                chunked_prefill_size=args.chunked_prefill_size, disable_radix_cache=True,
+                disable_decode_kv_mirror=args.disable_decode_kv_mirror) as engine:
         engine.generate(input_ids=prompts[:4], sampling_params=dict(params, max_new_tokens=4))  # warm-up
         t0 = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--disable-decode-kv-mirror", action="store_true",
+                    help="decode gathers KV from the paged pool every step (the server flag)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = ap.parse_args(argv)
     if args.threads:
