@@ -238,8 +238,13 @@ class Proxy:
                                            headers=self.headers, timeout=5.0)
                 if r.status_code != 200 or r.json().get("aborted"):
                     return
-            except (httpx.HTTPError, ValueError):
-                return  # an unreachable worker holds nothing we can free
+            except ValueError:
+                return  # not a pdserve answer: asking again will not change it
+            except httpx.HTTPError as exc:
+                # Tried again: the leg just cancelled on this worker can leave a pooled
+                # connection that fails once (seen as an abort lost under load); a worker
+                # that is really gone fails every try and holds nothing to free.
+                logger.debug("abort of %s on %s failed: %r", rid, worker.url, exc)
             await asyncio.sleep(ABORT_RETRY_S)
 
     def spawn(self, coro: Any) -> asyncio.Task:
