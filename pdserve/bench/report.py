@@ -139,6 +139,12 @@ def _failed_requests(recs: Iterable[dict[str, Any] | None]) -> str:
     return f" **{n} requests failed** (left out of every statistic)." if n else ""
 
 
+def _shortest_lengths(args: dict[str, Any]) -> tuple[int, int]:
+    """The shortest input and output lengths bench.serving's random dataset draws."""
+    ratio = args["random_range_ratio"]
+    return (max(1, int(args["random_input_len"] * ratio)), max(1, int(args["random_output_len"] * ratio)))
+
+
 # ---- sections -------------------------------------------------------------------------------------
 def section1(sec: Path) -> str:
     rows = [("colocated (direct)", _round(_read_jsonl(sec / "colocated.jsonl"), None)),
@@ -147,8 +153,7 @@ def section1(sec: Path) -> str:
     first = next((r for _, r in rows if r), None)
     if first:
         a = first["args"]
-        lo_in = max(1, int(a["random_input_len"] * a["random_range_ratio"]))
-        lo_out = max(1, int(a["random_output_len"] * a["random_range_ratio"]))
+        lo_in, lo_out = _shortest_lengths(a)
         out += [f"Demo model; bench.serving random dataset: {a['num_prompts']} prompts of {lo_in}-"
                 f"{a['random_input_len']} tokens, {lo_out}-{a['random_output_len']} greedy output tokens (EOS "
                 f"ignored), all queued at once, at most {a['max_concurrency']} in flight. Both deployments are up "
@@ -302,8 +307,7 @@ def section4(sec: Path) -> str:
     first = pd or vl or hf
     if first:
         a = first["args"]
-        lo_in = max(1, int(a["random_input_len"] * a["random_range_ratio"]))
-        lo_out = max(1, int(a["random_output_len"] * a["random_range_ratio"]))
+        lo_in, lo_out = _shortest_lengths(a)
         out += [f"Demo model (LlamaForCausalLM, 4 layers, hidden 256, fp32) for all three; the same "
                 f"{a['num_prompts']} random prompts (bench.serving random dataset, seed {a.get('seed', 1)}: "
                 f"{lo_in}-{a['random_input_len']} prompt tokens, {lo_out}-{a['random_output_len']} greedy output "

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from pdserve.model.decode_mirror import MirrorStep
+    from pdserve.model.decode_mirror import DecodeKVMirror, MirrorStep
 
 
 class KVStore(Protocol):
@@ -164,8 +164,10 @@ def _padded_slots(req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch
 class TorchNativeAttention:
     """SDPA over KV gathered from the paged pool; runs anywhere torch runs."""
 
-    def __init__(self, kv_pool: KVStore, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, kv_pool: KVStore, num_heads: int, num_kv_heads: int, head_dim: int,
+                 mirror: "DecodeKVMirror | None" = None) -> None:
         self.pool = kv_pool
+        self.mirror = mirror  # serves the decode steps whose context carries a MirrorStep
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -177,7 +179,8 @@ class TorchNativeAttention:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq*D]."""
         self.pool.write(layer, ctx.out_cache_loc, k, v)
         if ctx.mirror is not None:
-            return ctx.mirror.mirror.attend(layer, q, k, v, ctx.mirror, self.scale)
+            assert self.mirror is not None, "a mirrored step needs the backend's mirror"
+            return self.mirror.attend(layer, q, k, v, ctx.mirror, self.scale)
         if ctx.is_decode:
             return self._decode(layer, q, ctx)
         if ctx.q_per_row:

@@ -32,7 +32,6 @@ _LEN_QUANTUM = 256  # capacity grows in these steps, so growth copies are rare
 @dataclass
 class MirrorStep:
     """What one decode step's attention reads (built once per forward)."""
-    mirror: "DecodeKVMirror"
     mirror_rows: torch.Tensor   # [B] mirror row of each batch row
     batch_of_row: torch.Tensor  # [n] batch row held by each mirror row 0..n-1 (n == B)
     positions: torch.Tensor     # [B] position each batch row writes this step
@@ -94,7 +93,7 @@ class DecodeKVMirror:
         batch_of_row[mrows] = torch.arange(len(keys), device=dev)
         held = torch.tensor(self.lengths, dtype=torch.int64, device=dev)
         mask = torch.arange(length, device=dev).unsqueeze(0) < held.unsqueeze(1)
-        return MirrorStep(self, mrows, batch_of_row, prefix_lens, mask.view(len(keys), 1, 1, length), length,
+        return MirrorStep(mrows, batch_of_row, prefix_lens, mask.view(len(keys), 1, 1, length), length,
                           mirror_rows == list(range(len(keys))))
 
     def _drop_absent(self, keep: set[int]) -> None:

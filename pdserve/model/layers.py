@@ -125,10 +125,10 @@ class RotaryEmbedding(nn.Module):
         """cos/sin [T, 1, head_dim/2] at ``positions`` [T]."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, heads, head_dim]
-        cos, sin = cos_sin if cos_sin is not None else self.cos_sin(positions)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q/k: [T, heads, head_dim] rotated by ``cos_sin()`` of their positions."""
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -73,10 +73,6 @@ class ModelRunner:
         self.decode_mirror: DecodeKVMirror | None = None
 
     def bind_memory(self, kv_pool: KVStore, req_to_token: torch.Tensor, pool_tokens: int) -> None:
-        backend = TorchNativeAttention(kv_pool, self.num_local_heads, self.num_local_kv_heads,
-                                       self.config.head_dim)
-        self.model.bind(backend, self.rotary)
-        self.req_to_token = req_to_token
         if not self.args.disable_decode_kv_mirror and self.device.type == "cpu":
             # Bounded to a quarter of the pool: past that, decode gathers from the pool.
             # Not on CUDA: there the pool is sized to fill the free device memory and
@@ -84,6 +80,10 @@ class ModelRunner:
             self.decode_mirror = DecodeKVMirror(kv_pool, self.config.num_layers, self.num_local_kv_heads,
                                                 self.config.head_dim, self.dtype, self.device,
                                                 max_tokens=pool_tokens // 4)
+        backend = TorchNativeAttention(kv_pool, self.num_local_heads, self.num_local_kv_heads,
+                                       self.config.head_dim, self.decode_mirror)
+        self.model.bind(backend, self.rotary)
+        self.req_to_token = req_to_token
 
     @torch.inference_mode()
     def forward(self, batch: ForwardInput) -> torch.Tensor:

@@ -47,7 +47,7 @@ class Attention(nn.Module):
         cos_sin = ctx.rope.get(id(self.rotary))
         if cos_sin is None:
             cos_sin = ctx.rope[id(self.rotary)] = self.rotary.cos_sin(ctx.positions)
-        q, k = self.rotary(ctx.positions, q, k, cos_sin)
+        q, k = self.rotary(q, k, cos_sin)
         return self.o_proj(self.backend.forward(self.layer_id, q, k, v, ctx))
 
 
