@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train the embedded demo model (a tiny character-level LlamaForCausalLM).
+"""Train the embedded demo model (a tiny, nearly character-level LlamaForCausalLM).
 
 Deterministic (seeded, fixed thread count), CPU-only and resumable.  The model
 learns three synthetic chat tasks (see ``pdserve/assets/demo_tasks.py``):
@@ -12,7 +12,11 @@ Key choices (from a failed first feasibility run, see the README of the asset):
     exact match at the current frontier passes a threshold;
   * rows are whole conversations (never several conversations in one row), so
     the causal mask alone is correct and SDPA can use its fast causal path;
-  * the LR stays at its peak until the last 20% of the steps.
+  * the LR stays at its peak until the last 20% of the steps;
+  * recall rides on copying: merged tokens make the question's last token and the
+    key's list token "the same" (see MERGED), so the copy task's induction heads
+    do the lookup (four sessions of recipes never taught the character-level
+    two-hop lookup).
 
 Held-out evaluation during training is teacher-forced: the greedy answer is
 exactly right iff the argmax at every answer position equals the target, so a
@@ -32,6 +36,7 @@ import json
 import math
 import os
 import random
+import string
 import sys
 import time
 from dataclasses import dataclass
@@ -57,33 +62,62 @@ ROLE_ID = {"system": SYS, "user": USR, "assistant": AST}
 # All printable ASCII plus newline and tab, so any plain-ASCII prompt a server
 # test sends tokenizes without <unk>.
 CHARS = ["\n", "\t"] + [chr(c) for c in range(32, 127)]
-VOCAB = SPECIALS + CHARS
+# Merged tokens (BPE merges, in this priority order): "?\n", then "k=" and
+# "k?\n" for every lowercase letter k.  They make recall a copy: a user turn
+# ends with "\n" (the template's assistant marker), so the last prompt token of
+# "What is c?" is "c?\n", and a list pair "c=k0k" starts with "c=".  Initialised
+# alike, the two are "the same token", and the induction heads that copying
+# builds (find the earlier occurrence of the current token, emit what followed)
+# answer the lookup.  Character-level, the key sits 2-3 tokens before the
+# answer and 2 before the value, a two-hop lookup that no recipe we tried learnt
+# (see the asset README).
+MERGED = ["?\n"] + [f"{k}=" for k in string.ascii_lowercase] + [f"{k}?\n" for k in string.ascii_lowercase]
+MERGES = [("?", "\n")] + [(k, "=") for k in string.ascii_lowercase] + [(k, "?\n") for k in string.ascii_lowercase]
+VOCAB = SPECIALS + CHARS + MERGED
 CHAR_ID = {c: i for i, c in enumerate(VOCAB) if i >= len(SPECIALS)}
 
-# <s><|user|>What is 1 + 2?</s><|assistant|>1 + 2 = 3</s>  -- no newlines, so
-# every character of the rendered prompt is content or a special token.
+# <s><|user|>What is 1 + 2?\n1 + 2 = 3</s>  -- the "\n" closing a user turn is
+# the only assistant marker (an <|assistant|> token there would stand between
+# the question's last character and the answer); <|assistant|> stays in the
+# vocabulary, unused.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unsupported role: ' + message['role']) }}"
+    "{% if message['role'] == 'user' %}{{ '<|user|>' + message['content'] + '\\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% elif message['role'] == 'system' %}{{ '<|system|>' + message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('unsupported role: ' + message['role']) }}"
     "{% endif %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
+
+
+def text_ids(text: str) -> list[int]:
+    """Token ids of plain text, exactly as the tokenizer's BPE merges split it."""
+    out, i = [], 0
+    while i < len(text):
+        for width in (3, 2, 1):
+            piece = text[i : i + width]
+            if len(piece) == width and piece in CHAR_ID:
+                out.append(CHAR_ID[piece])
+                i += width
+                break
+        else:
+            out.append(UNK)
+            i += 1
+    return out
 
 
 def build_tokenizer() -> Any:
     """A ``PreTrainedTokenizerFast`` over ``VOCAB`` built with ``tokenizers``.
 
-    BPE with an empty merge list splits text into single characters; the Fuse
-    decoder joins them back without inserted spaces.
+    BPE over single characters plus the ``MERGES`` above; the Fuse decoder
+    joins tokens back without inserted spaces.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(VOCAB)}, merges=[], unk_token="<unk>"))
+    core = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(VOCAB)}, merges=MERGES, unk_token="<unk>"))
     core.decoder = decoders.Fuse()
     core.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
     tok = PreTrainedTokenizerFast(
@@ -110,13 +144,15 @@ def encode(messages: list[dict[str, str]], key_weight: float = 1.0
     """
     ids, wts, spans = [BOS], [0.0], []
     for m in messages:
-        ids.append(ROLE_ID[m["role"]])
-        wts.append(0.0)
-        body = [CHAR_ID[c] for c in m["content"]] + [EOS]
         if m["role"] == "assistant":
+            body = text_ids(m["content"]) + [EOS]
             spans.append((m.get("task", ""), len(ids), len(ids) + len(body)))
             wts.extend(answer_weights(m["content"], len(body), m.get("task", ""), key_weight))
+        elif m["role"] == "user":
+            body = [USR] + text_ids(m["content"] + "\n")
+            wts.extend([0.0] * len(body))
         else:
+            body = [ROLE_ID[m["role"]]] + text_ids(m["content"]) + [EOS]
             wts.extend([0.0] * len(body))
         ids.extend(body)
     return ids, wts, spans
@@ -297,6 +333,26 @@ def build_model(cfg: Any) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def grow_vocab(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict from a model with a prefix of ``VOCAB`` (the character-level
+    one), grown to the whole vocabulary.
+
+    A merged token starts as its first character ("c=" and "c?\n" as "c", "?\n"
+    as "?"), which is what lets the old model's copying heads treat "c?\n" and
+    "c=" as the same token from the first step; it is never a target (answers
+    are characters), so its output row is <unk>'s.
+    """
+    emb, head = state["model.embed_tokens.weight"], state["lm_head.weight"]
+    if emb.size(0) == len(VOCAB):
+        return state
+    first = [CHAR_ID[t[0]] for t in VOCAB[emb.size(0):]]
+    return {
+        **state,
+        "model.embed_tokens.weight": torch.cat([emb, emb[first]]),
+        "lm_head.weight": torch.cat([head, head[UNK].expand(len(first), -1)]),
+    }
+
+
 # ---------------------------------------------------------------------------
 # Teacher-forced held-out evaluation (== greedy exact match, see module doc)
 # ---------------------------------------------------------------------------
@@ -418,31 +474,46 @@ def write_readme(out: Path, ckpt: dict[str, Any], res: dict[str, Any], eval_n: i
     n_params = sum(v.numel() for v in ckpt["model"].values())
     acc = "\n".join(f"| {k} | {v:.3f} |" for k, v in res.items())
     curve = training_curve(ckpt["history"])
+    a = ckpt["args"]
+    provenance = f"Trained for {ckpt['step']} steps (seed {a['seed']})"
+    if a.get("init_from"):
+        provenance += (f", starting from the weights of `{Path(a['init_from']).name}` (an earlier export, "
+                       "its vocabulary grown by `grow_vocab`); the curve below is this run's")
+    provenance += "."
     text = f"""# pdserve demo model
 
-A tiny character-level `LlamaForCausalLM` (GQA, RMSNorm, RoPE, SiLU MLP, untied
-head) trained by `scripts/train_demo_model.py` on synthetic chat tasks. It is the
-embedded model of pdserve's tests and accuracy benchmark.
+A tiny (nearly) character-level `LlamaForCausalLM` (GQA, RMSNorm, RoPE, SiLU MLP,
+untied head) trained by `scripts/train_demo_model.py` on synthetic chat tasks. It is
+the embedded model of pdserve's tests and accuracy benchmark.
 
 - {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, MLP {c['intermediate_size']},
   {c['num_attention_heads']} heads / {c['num_key_value_heads']} KV heads (head dim {c['head_dim']}),
   vocab {c['vocab_size']}, max positions {c['max_position_embeddings']}, {n_params / 1e6:.2f}M parameters, fp32.
-- Trained for {ckpt['step']} steps (seed {ckpt['args']['seed']}).
+- {provenance}
 
 ## Tokenizer and chat template
 
-One token per character (printable ASCII, `\\n`, `\\t`) plus special tokens
-`<pad>`=0, `<s>`=1 (bos), `</s>`=2 (eos, also ends every turn), `<unk>`=3,
-`<|system|>`=4, `<|user|>`=5, `<|assistant|>`=6. Roles: system, user, assistant.
-The template renders (no newlines):
+One token per character (printable ASCII, `\\n`, `\\t`), special tokens
+`<pad>`=0, `<s>`=1 (bos), `</s>`=2 (eos, ends assistant and system turns), `<unk>`=3,
+`<|system|>`=4, `<|user|>`=5, `<|assistant|>`=6 (unused), and 53 BPE merges:
+`?\\n`, then `k=` and `k?\\n` for each lowercase letter k. Roles: system, user,
+assistant. The template renders
 
 ```
-<s><|system|>SYSTEM</s><|user|>QUESTION</s><|assistant|>ANSWER</s>...
+<s><|system|>SYSTEM</s><|user|>QUESTION\\nANSWER</s><|user|>QUESTION\\n...
 ```
 
-and `add_generation_prompt=True` appends `<|assistant|>`. Generation ends at `</s>`
-(`eos_token_id` 2). The rendered prompt already contains `<s>`: tokenize it with
+The newline that closes a user turn is the assistant marker, so
+`add_generation_prompt` adds nothing. Generation ends at `</s>` (`eos_token_id` 2).
+The rendered prompt already contains `<s>`: tokenize it with
 `add_special_tokens=False` (or use `apply_chat_template(..., tokenize=True)`).
+
+Why the merges: with them the last prompt token of `... What is c?` is `c?\\n` and
+the list pair `c=k0k` starts with `c=`; both start as the embedding of `c`, and the
+induction heads that copying builds (find the earlier occurrence of the current
+token, emit what followed it) answer the lookup. Character by character, the key
+sits two tokens before its value and three before the answer, a two-hop lookup that
+no recipe tried in four sessions learnt (recall stayed at 1/n).
 
 ## Tasks (user message -> exact assistant answer)
 
@@ -459,8 +530,8 @@ Training also used two training-only turn kinds (never evaluated): follow-up
 questions `What is k?` on the previous turn's recall list (answer: its value), and
 `Skip: S` -> every other character of S (see the trainer for why).
 
-Reproduce: `python scripts/train_demo_model.py` (its defaults replay this run on
-one thread; it took {ckpt['history'][-1]['time_s'] / 60:.0f} minutes here, on a 2-core machine shared with other jobs).
+Reproduce: `{reproduce_command(a)}` ({a['threads']} thread(s); it took
+{ckpt['history'][-1]['time_s'] / 60:.0f} minutes here, on a 2-core machine).
 
 ## Training curve
 
@@ -500,7 +571,7 @@ transformers `generate`, {eval_n} questions per task, full difficulty ranges
 # ---------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=REPO / "pdserve" / "assets" / "demo")
@@ -546,11 +617,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
-    return p.parse_args()
+    return p
+
+
+# Flags that do not change what is trained.
+_NOT_RECIPE = {"threads", "out", "ckpt_dir", "resume", "overwrite", "export_only", "max_minutes", "ckpt_minutes",
+               "set_total_steps"}
+
+
+def reproduce_command(args: dict[str, Any]) -> str:
+    """The trainer command line that replays a run (its non-default recipe flags)."""
+    defaults = vars(build_parser().parse_args([]))
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in args.items()
+             if k in defaults and k not in _NOT_RECIPE and v is not None and str(v) != str(defaults[k])]
+    return " ".join(["python scripts/train_demo_model.py", *flags])
 
 
 def main() -> None:
-    args = parse_args()
+    args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     ckpt_path = args.ckpt_dir / "latest.pt"
@@ -568,7 +652,7 @@ def main() -> None:
     if args.init_from is not None and not args.resume:
         from safetensors.torch import load_file
 
-        model.load_state_dict(load_file(str(args.init_from / "model.safetensors")))
+        model.load_state_dict(grow_vocab(load_file(str(args.init_from / "model.safetensors"))))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
@@ -576,7 +660,8 @@ def main() -> None:
         lr=args.lr, betas=(0.9, 0.98), eps=1e-8,
     )
     rng = random.Random(args.seed)
-    cur = Curriculum()
+    # A model grown from an exported one already covers the full ranges.
+    cur = Curriculum(COPY_STEPS[-1], RECALL_STEPS[-1], 768) if args.init_from is not None else Curriculum()
     step, history = 0, []
 
     if ckpt_path.exists() and not (args.resume or args.overwrite):

@@ -23,8 +23,55 @@ def test_demo_loads_in_transformers():
     tok = AutoTokenizer.from_pretrained(str(d))
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                    tokenize=False)
-    assert text.endswith("<|assistant|>")
+    assert text == "<s><|user|>hi\n"  # the newline closing a user turn is the assistant marker
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
+    assert model.config.vocab_size == len(tok)
+
+
+def test_demo_tokenizer_merges_recall_keys():
+    """A recall question's last token and its key's list token are single tokens (`c?\\n`, `c=`)."""
+    from transformers import AutoTokenizer
+
+    from pdserve import assets
+
+    tok = AutoTokenizer.from_pretrained(str(assets.path("demo")))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Remember: c=k0k, q=4xa. What is c?"}],
+                                     add_generation_prompt=True, tokenize=False)
+    pieces = tok.convert_ids_to_tokens(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert pieces[-1] == "c?\n" and "c=" in pieces and "q=" in pieces
+    assert tok.convert_ids_to_tokens(tok("What is 2 + 3?\n", add_special_tokens=False)["input_ids"])[-2:] == [
+        "3", "?\n"]
+    ids = tok(prompt + "k0k", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=True) == prompt.removeprefix("<s>").removeprefix("<|user|>") + "k0k"
+
+
+def test_trainer_encoding_matches_the_shipped_tokenizer():
+    """scripts/train_demo_model.py trains on exactly the tokens the shipped template + tokenizer produce."""
+    import importlib.util
+    import random
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from pdserve import assets
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
+    spec = importlib.util.spec_from_file_location("train_demo_model_under_test", script)
+    trainer = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = trainer  # dataclasses resolve their module by name
+    try:
+        spec.loader.exec_module(trainer)
+    finally:
+        del sys.modules[spec.name]
+    tok = AutoTokenizer.from_pretrained(str(assets.path("demo")))
+    assert len(tok) == len(trainer.VOCAB)
+    full = trainer.Curriculum(trainer.COPY_STEPS[-1], trainer.RECALL_STEPS[-1])
+    for seed in range(20):
+        conv = trainer.sample_conversation(random.Random(seed), full, 400, followup_prob=0.5)
+        plain = [{"role": m["role"], "content": m["content"]} for m in conv]
+        rendered = tok.apply_chat_template(plain, tokenize=False)
+        assert tok(rendered, add_special_tokens=False)["input_ids"] == trainer.encode(conv)[0]
 
 
 def test_engine_defaults_to_demo_and_copies(make_engine):
@@ -102,8 +149,11 @@ def test_eagle3_head_layout_and_d2t_maps_into_target_vocab():
 
 
 # A few fixed held-out questions (demo_tasks.is_heldout) the demo model answers exactly.
-# No recall question yet: the current demo model has not learnt key lookup (its README).
 FIXED_QUESTIONS = [
+    ("Remember: r=9xq, h=nob, v=1cw, a=2fp, g=m71. What is r?", "9xq"),
+    ("Remember: l=qvd, a=quv, f=0fi, k=6wv, x=k5l. What is k?", "6wv"),
+    ("Remember: y=t1n, t=gph, u=gd0, q=d65, m=qp3, a=5yi, b=nbf, v=x4h, k=tnx, e=4l0, d=fgh, z=yxu, s=svk, "
+     "j=toy. What is a?", "5yi"),
     ("What is 15 + 17?", "15 + 17 = 32"),
     ("What is 77 - 23?", "77 - 23 = 54"),
     ("What is 58 + 29?", "58 + 29 = 87"),

@@ -92,8 +92,8 @@ def test_against_pdserve_server_matches_transformers(tmp_path, capsys):
         for task, r in results.items():
             assert r["errors"] == 0 and r["num_questions"] == N_PER_TASK and r["output_tokens"] > 0
             assert r["accuracy"] == pytest.approx(_transformers_accuracy(task)), task
-        # The demo model answers at least some of every learnt task (recall is not learnt yet).
-        assert results["arithmetic"]["accuracy"] > 0 and results["copy"]["accuracy"] > 0, results
+        # The demo model answers most questions of every task (a broken KV path drops this to ~0).
+        assert all(results[t]["accuracy"] >= 0.5 for t in demo_tasks.TASKS), results
         server.assert_pools_full()
     finally:
         server.close()
