@@ -58,7 +58,6 @@ from pdserve.assets import demo_tasks as dt  # noqa: E402
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 PAD, BOS, EOS, UNK, SYS, USR, AST = range(len(SPECIALS))
-ROLE_ID = {"system": SYS, "user": USR, "assistant": AST}
 # All printable ASCII plus newline and tab, so any plain-ASCII prompt a server
 # test sends tokenizes without <unk>.
 CHARS = ["\n", "\t"] + [chr(c) for c in range(32, 127)]
@@ -148,11 +147,10 @@ def encode(messages: list[dict[str, str]], key_weight: float = 1.0
             body = text_ids(m["content"]) + [EOS]
             spans.append((m.get("task", ""), len(ids), len(ids) + len(body)))
             wts.extend(answer_weights(m["content"], len(body), m.get("task", ""), key_weight))
-        elif m["role"] == "user":
-            body = [USR] + text_ids(m["content"] + "\n")
-            wts.extend([0.0] * len(body))
         else:
-            body = [ROLE_ID[m["role"]]] + text_ids(m["content"]) + [EOS]
+            # A user turn ends with the newline that marks the answer; a system turn with </s>.
+            user = m["role"] == "user"
+            body = [USR] + text_ids(m["content"] + "\n") if user else [SYS] + text_ids(m["content"]) + [EOS]
             wts.extend([0.0] * len(body))
         ids.extend(body)
     return ids, wts, spans
@@ -204,6 +202,13 @@ class Curriculum:
     long_row: int = 256  # length of the long (multi-turn) rows; grows with the curriculum
     recall_share: float = TASK_PROBS["recall"]  # fraction of turns that are recall questions
     skip_share: float = 0.0  # fraction of training-only "Skip:" turns (see skip_example)
+
+    def long_row_for_progress(self) -> int:
+        """Long rows grow with the curriculum: 256 tokens, 512 past half of it, 768 at its end."""
+        progress = (COPY_STEPS.index(self.copy_max) + RECALL_STEPS.index(self.recall_max)) / (
+            len(COPY_STEPS) + len(RECALL_STEPS) - 2
+        )
+        return 256 if progress < 0.5 else (512 if progress < 1 else 768)
 
     def done(self) -> bool:
         return self.copy_max == COPY_STEPS[-1] and self.recall_max == RECALL_STEPS[-1]
@@ -661,7 +666,10 @@ def main() -> None:
     )
     rng = random.Random(args.seed)
     # A model grown from an exported one already covers the full ranges.
-    cur = Curriculum(COPY_STEPS[-1], RECALL_STEPS[-1], 768) if args.init_from is not None else Curriculum()
+    cur = Curriculum()
+    if args.init_from is not None:
+        cur = Curriculum(COPY_STEPS[-1], RECALL_STEPS[-1])
+        cur.long_row = cur.long_row_for_progress()
     step, history = 0, []
 
     if ckpt_path.exists() and not (args.resume or args.overwrite):
@@ -782,10 +790,7 @@ def main() -> None:
                 cur.copy_max = COPY_STEPS[COPY_STEPS.index(cur.copy_max) + 1]
             if res["recall_front"] >= args.advance_at and cur.recall_max < RECALL_STEPS[-1]:
                 cur.recall_max = RECALL_STEPS[RECALL_STEPS.index(cur.recall_max) + 1]
-            progress = (COPY_STEPS.index(cur.copy_max) + RECALL_STEPS.index(cur.recall_max)) / (
-                len(COPY_STEPS) + len(RECALL_STEPS) - 2
-            )
-            cur.long_row = 256 if progress < 0.5 else (512 if progress < 1 else 768)
+            cur.long_row = cur.long_row_for_progress()
             history.append({"step": step, "time_s": round(time.time() - t_start), **{k: round(v, 4) for k, v in res.items()}})
             log(f"eval step {step} ({time.time() - t_e:.0f}s): " + " ".join(f"{k}={v:.3f}" for k, v in res.items())
                 + f" -> cur {cur}", logf)
