@@ -201,6 +201,9 @@ class Curriculum:
     recall_max: int = RECALL_STEPS[0]
     long_row: int = 256  # length of the long (multi-turn) rows; grows with the curriculum
     recall_share: float = TASK_PROBS["recall"]  # fraction of turns that are recall questions
+    # Fraction of copy turns; None keeps arithmetic : copy at their TASK_PROBS ratio
+    # in whatever recall leaves (a continuation drops copy once it is solved).
+    copy_share: float | None = None
     skip_share: float = 0.0  # fraction of training-only "Skip:" turns (see skip_example)
 
     def long_row_for_progress(self) -> int:
@@ -229,9 +232,11 @@ def skip_example(rng: random.Random) -> dt.Example:
 def sample_turn(rng: random.Random, cur: Curriculum) -> dt.Example:
     if cur.skip_share > 0 and rng.random() < cur.skip_share:
         return skip_example(rng)
-    # Arithmetic and copy keep their ratio in whatever recall leaves.
-    rest = (1.0 - cur.recall_share) / (TASK_PROBS["arithmetic"] + TASK_PROBS["copy"])
-    weights = [TASK_PROBS["arithmetic"] * rest, TASK_PROBS["copy"] * rest, cur.recall_share]
+    if cur.copy_share is None:
+        rest = (1.0 - cur.recall_share) / (TASK_PROBS["arithmetic"] + TASK_PROBS["copy"])
+        weights = [TASK_PROBS["arithmetic"] * rest, TASK_PROBS["copy"] * rest, cur.recall_share]
+    else:
+        weights = [1.0 - cur.recall_share - cur.copy_share, cur.copy_share, cur.recall_share]
     task = rng.choices(["arithmetic", "copy", "recall"], weights=weights)[0]
     # 40% of the time draw from the frontier (hardest current band) so that
     # widening is fast; otherwise uniform over the whole current range, which
@@ -611,6 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recall-followups-from", type=int, default=2073, help="step from which they are added")
     p.add_argument("--recall-share", type=float, default=0.6, help="fraction of recall turns (from the step below)")
     p.add_argument("--recall-share-from", type=int, default=2500, help="step from which it applies")
+    p.add_argument("--copy-share", type=float, default=None,
+                   help="fraction of copy turns (default: arithmetic and copy keep their ratio)")
     p.add_argument("--skip-share", type=float, default=0.15, help="fraction of auxiliary Skip: turns")
     p.add_argument("--recall-full-from", type=int, default=10**9,
                    help="step from which recall lists use the full 2..16 range (ends its curriculum)")
@@ -639,7 +646,10 @@ def reproduce_command(args: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.copy_share is not None and not (0.0 <= args.copy_share <= 1.0 - args.recall_share):
+        parser.error(f"--copy-share {args.copy_share} must be in [0, 1 - --recall-share]")
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     ckpt_path = args.ckpt_dir / "latest.pt"
@@ -746,6 +756,7 @@ def main() -> None:
         followups = args.recall_followup_prob if step >= args.recall_followups_from else 0.0
         if step >= args.recall_share_from:
             cur.recall_share = args.recall_share
+            cur.copy_share = args.copy_share
         if step >= args.skip_from:
             cur.skip_share = args.skip_share
         if step >= args.recall_full_from:

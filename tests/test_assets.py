@@ -45,16 +45,11 @@ def test_demo_tokenizer_merges_recall_keys():
     assert tok.decode(ids, skip_special_tokens=True) == prompt.removeprefix("<s>").removeprefix("<|user|>") + "k0k"
 
 
-def test_trainer_encoding_matches_the_shipped_tokenizer():
-    """scripts/train_demo_model.py trains on exactly the tokens the shipped template + tokenizer produce."""
+def _load_trainer():
+    """scripts/train_demo_model.py as a module (scripts/ is not a package)."""
     import importlib.util
-    import random
     import sys
     from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from pdserve import assets
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
     spec = importlib.util.spec_from_file_location("train_demo_model_under_test", script)
@@ -64,6 +59,18 @@ def test_trainer_encoding_matches_the_shipped_tokenizer():
         spec.loader.exec_module(trainer)
     finally:
         del sys.modules[spec.name]
+    return trainer
+
+
+def test_trainer_encoding_matches_the_shipped_tokenizer():
+    """scripts/train_demo_model.py trains on exactly the tokens the shipped template + tokenizer produce."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from pdserve import assets
+
+    trainer = _load_trainer()
     tok = AutoTokenizer.from_pretrained(str(assets.path("demo")))
     assert len(tok) == len(trainer.VOCAB)
     full = trainer.Curriculum(trainer.COPY_STEPS[-1], trainer.RECALL_STEPS[-1])
@@ -72,6 +79,29 @@ def test_trainer_encoding_matches_the_shipped_tokenizer():
         plain = [{"role": m["role"], "content": m["content"]} for m in conv]
         rendered = tok.apply_chat_template(plain, tokenize=False)
         assert tok(rendered, add_special_tokens=False)["input_ids"] == trainer.encode(conv)[0]
+
+
+def test_trainer_task_shares():
+    """--recall-share / --copy-share set the task mix; without --copy-share arithmetic : copy keep their ratio."""
+    import random
+    from collections import Counter
+
+    trainer = _load_trainer()
+
+    def mix(**shares) -> dict[str, float]:
+        cur = trainer.Curriculum(trainer.COPY_STEPS[-1], trainer.RECALL_STEPS[-1], **shares)
+        rng = random.Random(0)
+        counts = Counter(trainer.sample_turn(rng, cur).task for _ in range(4000))
+        return {t: counts[t] / 4000 for t in ("arithmetic", "copy", "recall")}
+
+    explicit = mix(recall_share=0.45, copy_share=0.1)
+    assert abs(explicit["recall"] - 0.45) < 0.03 and abs(explicit["copy"] - 0.1) < 0.03
+    assert abs(explicit["arithmetic"] - 0.45) < 0.03
+    ratio = mix(recall_share=0.45)
+    expected_copy = 0.55 * trainer.TASK_PROBS["copy"] / (trainer.TASK_PROBS["copy"] + trainer.TASK_PROBS["arithmetic"])
+    assert abs(ratio["copy"] - expected_copy) < 0.03 and abs(ratio["recall"] - 0.45) < 0.03
+    parser = trainer.build_parser()
+    assert parser.parse_args(["--copy-share", "0.1"]).copy_share == 0.1
 
 
 def test_engine_defaults_to_demo_and_copies(make_engine):

@@ -336,7 +336,9 @@ def test_decode_deaths(cluster):
     d2.kill_all()
     try:
         for i in range(6):
-            r = cluster.oai.completions.create(model=m, prompt=f"Repeat: {i}", max_tokens=4, temperature=0)
+            # ignore_eos: a full-length answer whatever the demo model says first
+            r = cluster.oai.completions.create(model=m, prompt=f"Repeat: {i}", max_tokens=4, temperature=0,
+                                               extra_body={"ignore_eos": True})
             assert r.choices[0].finish_reason == "length"
         watcher.join(5)
     finally:
