@@ -645,11 +645,16 @@ def reproduce_command(args: dict[str, Any]) -> str:
     return " ".join(["python scripts/train_demo_model.py", *flags])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.copy_share is not None and not (0.0 <= args.copy_share <= 1.0 - args.recall_share):
         parser.error(f"--copy-share {args.copy_share} must be in [0, 1 - --recall-share]")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     ckpt_path = args.ckpt_dir / "latest.pt"

@@ -100,8 +100,10 @@ def test_trainer_task_shares():
     ratio = mix(recall_share=0.45)
     expected_copy = 0.55 * trainer.TASK_PROBS["copy"] / (trainer.TASK_PROBS["copy"] + trainer.TASK_PROBS["arithmetic"])
     assert abs(ratio["copy"] - expected_copy) < 0.03 and abs(ratio["recall"] - 0.45) < 0.03
-    parser = trainer.build_parser()
-    assert parser.parse_args(["--copy-share", "0.1"]).copy_share == 0.1
+    assert trainer.parse_args(["--copy-share", "0.1", "--recall-share", "0.45"]).copy_share == 0.1
+    for bad in (["--copy-share", "0.6", "--recall-share", "0.45"], ["--copy-share", "-0.1"]):
+        with pytest.raises(SystemExit):
+            trainer.parse_args(bad)
 
 
 def test_engine_defaults_to_demo_and_copies(make_engine):
