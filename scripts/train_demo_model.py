@@ -70,8 +70,8 @@ CHARS = ["\n", "\t"] + [chr(c) for c in range(32, 127)]
 # answer the lookup.  Character-level, the key sits 2-3 tokens before the
 # answer and 2 before the value, a two-hop lookup that no recipe we tried learnt
 # (see the asset README).
-MERGED = ["?\n"] + [f"{k}=" for k in string.ascii_lowercase] + [f"{k}?\n" for k in string.ascii_lowercase]
 MERGES = [("?", "\n")] + [(k, "=") for k in string.ascii_lowercase] + [(k, "?\n") for k in string.ascii_lowercase]
+MERGED = ["".join(pair) for pair in MERGES]
 VOCAB = SPECIALS + CHARS + MERGED
 CHAR_ID = {c: i for i, c in enumerate(VOCAB) if i >= len(SPECIALS)}
 
@@ -95,7 +95,7 @@ def text_ids(text: str) -> list[int]:
     """Token ids of plain text, exactly as the tokenizer's BPE merges split it."""
     out, i = [], 0
     while i < len(text):
-        for width in (3, 2, 1):
+        for width in range(max(map(len, MERGED)), 0, -1):
             piece = text[i : i + width]
             if len(piece) == width and piece in CHAR_ID:
                 out.append(CHAR_ID[piece])

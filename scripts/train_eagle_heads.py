@@ -298,15 +298,16 @@ def main() -> None:
     draft_vocab = draft_vocabulary(random.Random(args.seed), args.draft_vocab_size, target.config.vocab_size)
     eval_ids, eval_answer = heldout_sequences(target, tok, args.eval_n, args.seed)
     algos = ["EAGLE", "EAGLE3"] if args.algo == "both" else [args.algo]
-    eagle_steps, eagle_lr = args.steps, args.lr
     for algo in algos:
-        args.steps = args.eagle3_steps if algo == "EAGLE3" else eagle_steps
-        args.lr = args.eagle3_lr if algo == "EAGLE3" else eagle_lr
-        head = train(algo, target, args, aux_ids, draft_vocab if algo == "EAGLE3" else None)
+        # Each head trains (and its README reports) its own step count and peak LR.
+        algo_args = argparse.Namespace(**vars(args))
+        if algo == "EAGLE3":
+            algo_args.steps, algo_args.lr = args.eagle3_steps, args.eagle3_lr
+        head = train(algo, target, algo_args, aux_ids, draft_vocab if algo == "EAGLE3" else None)
         metrics = agreement(head, target, eval_ids, eval_answer, aux_ids)
         print(f"[{algo}] held-out agreement: {json.dumps(metrics)}", flush=True)
         name = "demo-eagle" if algo == "EAGLE" else "demo-eagle3"
-        export(head, args.target, args.out_root / name, aux_ids, metrics, args)
+        export(head, args.target, args.out_root / name, aux_ids, metrics, algo_args)
         print(f"[{algo}] wrote {args.out_root / name}", flush=True)
 
 
