@@ -28,7 +28,7 @@ import zmq
 from pdserve.disagg import protocol as P
 from pdserve.disagg.layout import (BufferSpec, CompatRecord, HandshakeError, HeadRange, KVLayout, TransferPlan,
                                    check_compatible, plan_transfer)
-from pdserve.disagg.rooms import Deadlines, RoomState, RoomTable
+from pdserve.disagg.rooms import Deadlines, RoomError, RoomState, RoomTable
 from pdserve.disagg.transfer import TransferEngine, TransferError
 
 logger = logging.getLogger(__name__)
@@ -306,22 +306,18 @@ class PrefillTransferManager(_Side):
         if peer is None:
             logger.warning("transfer request for room %d from unknown decode %s", req.room, req.decode_id)
             return
-        room = self.rooms.get(req.room)
-        fresh = room is None or room.state.terminal
-        if fresh:
-            # Decode asked before the prefill request arrived: open the room now.
-            try:
-                self.rooms.open(req.room)
-            except Exception as exc:
-                self._link.send(peer.handshake.control_addr, P.Abort(req.room, str(exc)))
-                return
+        try:
+            # Fresh when decode asked before the prefill request arrived (which joins it).
+            _, fresh = self.rooms.open_or_join(req.room)
+        except RoomError as exc:
+            self._link.send(peer.handshake.control_addr, P.Abort(req.room, str(exc)))
+            return
         with self._lock:
             pr = self._rooms.get(req.room)
             if pr is None or fresh:
                 pr = self._rooms[req.room] = _PrefillRoom({}, peer.handshake.tp_size)
             pr.requests[req.decode_id] = req
-        if self.rooms.get(req.room).state is RoomState.BOOTSTRAPPING:  # type: ignore[union-attr]
-            self.rooms.advance(req.room, RoomState.WAITING_FOR_INPUT)
+        self.rooms.advance(req.room, RoomState.WAITING_FOR_INPUT, only_from=RoomState.BOOTSTRAPPING)
 
     def _on_peer_dead(self, addr: str) -> None:
         with self._lock:
@@ -335,10 +331,7 @@ class PrefillTransferManager(_Side):
     # ---- scheduler-facing ----------------------------------------------------------
     def open(self, room: int) -> None:
         """The prefill request of ``room`` arrived (it may precede or follow decode's)."""
-        r = self.rooms.get(room)
-        if r is not None and not r.state.terminal:
-            return  # decode's transfer request came first
-        self.rooms.open(room)
+        self.rooms.open_or_join(room)  # decode's transfer request may have opened it first
 
     def ready(self, room: int) -> bool:
         """Decode said where the KV goes: the prefill may send."""
@@ -350,9 +343,8 @@ class PrefillTransferManager(_Side):
 
     def send(self, room: int, src_slots: Sequence[int], first_position: int) -> None:
         """Queue the write of prompt positions [first_position, +len(src_slots)) of ``room``."""
-        r = self.rooms.get(room)
-        if r is not None and r.state is RoomState.WAITING_FOR_INPUT:
-            self.rooms.advance(room, RoomState.TRANSFERRING)
+        if self.rooms.get(room) is not None:  # rooms are only closed by this (the scheduler's) thread
+            self.rooms.advance(room, RoomState.TRANSFERRING, only_from=RoomState.WAITING_FOR_INPUT)
         with self._lock:
             pr = self._rooms.get(room)
             if pr is None:
@@ -564,10 +556,12 @@ class DecodeTransferManager(_Side):
         self.rooms.open(room)
         with self._lock:
             self._rooms[room] = _DecodeRoom(senders={p.control_addr for p in peers})
+        # Waiting before the first send: prefill may answer (its prompt already done)
+        # before this thread runs again, and its record moves the room on.
+        self.rooms.advance(room, RoomState.WAITING_FOR_INPUT)
         req = P.TransferRequest(room, self.decode_id, tuple(dst_slots), want_features)
         for p in peers:
             self._link.send(p.control_addr, req)
-        self.rooms.advance(room, RoomState.WAITING_FOR_INPUT)
 
     def poll(self, room: int) -> tuple[RoomState, P.HandoffRecord | None, str | None]:
         r = self.rooms.get(room)
@@ -611,17 +605,15 @@ class DecodeTransferManager(_Side):
         elif isinstance(msg, P.HandoffRecord):
             with self._lock:
                 dr = self._rooms.get(msg.room)
-                if dr is None:
-                    return
+                if dr is None or msg.sender not in dr.senders:
+                    return  # not ours, or a repeat: the room moved on at the first
                 dr.senders.discard(msg.sender)
                 if dr.record is None:  # every rank reports the same first token
                     dr.record = msg
                 done = not dr.senders
             if done:
-                r = self.rooms.get(msg.room)
-                if r is not None and r.state is RoomState.WAITING_FOR_INPUT:
-                    self.rooms.advance(msg.room, RoomState.TRANSFERRING)
-                self.rooms.advance(msg.room, RoomState.SUCCESS)
+                self.rooms.advance(msg.room, RoomState.TRANSFERRING, only_from=RoomState.WAITING_FOR_INPUT)
+                self.rooms.advance(msg.room, RoomState.SUCCESS, only_from=RoomState.TRANSFERRING)
         elif isinstance(msg, P.Abort):
             self.rooms.fail(msg.room, f"prefill failed the request: {msg.reason}", "prefill_error")
             with self._lock:

@@ -69,29 +69,40 @@ class RoomTable:
         self.failures: dict[str, int] = {}   # failure counts by reason kind (metrics)
 
     def open(self, room: int) -> Room:
+        r, opened = self.open_or_join(room)
+        if not opened:
+            raise RoomError(f"bootstrap_room {room} is already in use by a live request")
+        return r
+
+    def open_or_join(self, room: int) -> tuple[Room, bool]:
+        """The live room of that number, else a fresh one; and whether it is fresh. One
+        step under the lock: on prefill the request and decode's transfer request arrive
+        on different threads, and whichever comes first opens the room."""
         if not 0 <= room < 2**63:
             raise RoomError(f"bootstrap_room must be in [0, 2^63), got {room}")
         with self._lock:
             old = self._rooms.get(room)
             if old is not None and not old.state.terminal:
-                raise RoomError(f"bootstrap_room {room} is already in use by a live request")
+                return old, False
             now = self.clock()
             r = Room(room, RoomState.BOOTSTRAPPING, now, history=[(RoomState.BOOTSTRAPPING, now)])
             self._rooms[room] = r
-            return r
+            return r, True
 
     def get(self, room: int) -> Room | None:
         with self._lock:
             return self._rooms.get(room)
 
-    def advance(self, room: int, state: RoomState) -> bool:
-        """Move forward; False (and no change) when the room already failed. Moving
-        backwards or out of SUCCESS is a bug and raises."""
+    def advance(self, room: int, state: RoomState, only_from: RoomState | None = None) -> bool:
+        """Move forward; False (and no change) when the room already failed, or is not in
+        ``only_from`` when that is given (a check and a move in one step: another thread
+        may move the room between a separate check and the move). Moving backwards or
+        out of SUCCESS is a bug and raises."""
         with self._lock:
             if state is RoomState.FAILED:
                 raise RoomError("use fail() with a reason")
             r = self._need(room)
-            if r.state is RoomState.FAILED:
+            if r.state is RoomState.FAILED or (only_from is not None and r.state is not only_from):
                 return False
             if state <= r.state or r.state is RoomState.SUCCESS:
                 raise RoomError(f"room {room}: {r.state.name} -> {state.name} goes backwards")

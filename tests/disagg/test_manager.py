@@ -72,6 +72,40 @@ def test_handoff_in_chunks(pair):
         dec.add_room(42, peers, dst_slots=[2])
 
 
+def test_record_arriving_before_add_room_returns(pair):
+    """Prefill finished its prompt before decode asked: its record can come back before the
+    thread that sent the transfer request runs again (seen under load as a decode
+    scheduler dying on "SUCCESS -> WAITING_FOR_INPUT goes backwards"). Here the send
+    itself waits for the record; add_room must still return, the room a success."""
+    import threading
+    pre, dec, peers, src, dst = pair
+    pre.open(7)
+
+    def prefill_side() -> None:
+        assert wait_for(lambda: pre.ready(7))
+        pre.send(7, [0, 1, 2], 0)
+        pre.finish(7, P.HandoffRecord(7, "", first_token=3, logprob=-0.1, cached_tokens=0))
+    sender = threading.Thread(target=prefill_side)
+    sender.start()
+    send = dec._link.send
+
+    def send_then_wait_for_record(addr, msg):
+        send(addr, msg)
+        if isinstance(msg, P.TransferRequest):
+            assert wait_for(lambda: dec.rooms.get(7).state is RoomState.SUCCESS)
+    dec._link.send = send_then_wait_for_record
+    dec.add_room(7, peers, dst_slots=[10, 11, 12])
+    sender.join(5)
+    state, record, _ = dec.poll(7)
+    assert state is RoomState.SUCCESS and record.first_token == 3
+    assert [s for s, _ in dec.rooms.get(7).history] == list(RoomState)[:4]
+    for name in src:
+        assert torch.equal(dst[name][10:13], src[name][0:3])
+    # A repeated record (a resend, a duplicate on the wire) changes nothing and raises nothing.
+    dec._on_message(P.HandoffRecord(7, peers[0].control_addr, first_token=99, logprob=0.0, cached_tokens=0))
+    assert dec.poll(7)[0] is RoomState.SUCCESS and dec.poll(7)[1].first_token == 3
+
+
 def test_incompatible_pair_refused_at_handshake():
     src, src_layout = buffers()
     dst, dst_layout = buffers(0.0)

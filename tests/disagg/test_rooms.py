@@ -85,3 +85,38 @@ def test_fail_all_for_a_dead_peer():
     failed = t.fail_all("prefill stopped answering heartbeats", "peer_dead", rooms=[1, 3])
     assert [r.room for r in failed] == [1]
     assert t.counts() == {"bootstrapping": 1, "waiting_for_input": 0, "transferring": 0, "success": 1, "failed": 1}
+
+
+def test_open_or_join_opens_once_across_threads():
+    """On prefill the request and decode's transfer request open the same room from two
+    threads; exactly one of them opens it, the other joins (neither raises)."""
+    import threading
+    t, _ = table()
+    for room in range(200):
+        fresh: list[bool] = []
+        start = threading.Barrier(2)
+
+        def arrive() -> None:
+            start.wait()
+            fresh.append(t.open_or_join(room)[1])
+        threads = [threading.Thread(target=arrive) for _ in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert sorted(fresh) == [False, True], room
+    t.fail(5, "aborted")
+    assert t.open_or_join(5)[1]  # an ended room number opens afresh
+
+
+def test_advance_only_from_is_one_step():
+    t, _ = table()
+    t.open(1)
+    assert not t.advance(1, RoomState.TRANSFERRING, only_from=RoomState.WAITING_FOR_INPUT)
+    assert t.get(1).state is RoomState.BOOTSTRAPPING
+    assert t.advance(1, RoomState.WAITING_FOR_INPUT, only_from=RoomState.BOOTSTRAPPING)
+    assert t.advance(1, RoomState.TRANSFERRING, only_from=RoomState.WAITING_FOR_INPUT)
+    assert t.advance(1, RoomState.SUCCESS, only_from=RoomState.TRANSFERRING)
+    # Already past it: no move, and not the "goes backwards" error a plain advance raises.
+    assert not t.advance(1, RoomState.TRANSFERRING, only_from=RoomState.WAITING_FOR_INPUT)
+    assert t.get(1).state is RoomState.SUCCESS

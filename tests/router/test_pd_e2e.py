@@ -43,7 +43,9 @@ class FaultProxy:
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            self.client = httpx.AsyncClient(timeout=300)
+            # Keep-alive below the server's (uvicorn's 5 s), as the router does: reusing a
+            # connection the server is closing fails the request (ReadError), not the server.
+            self.client = httpx.AsyncClient(timeout=300, limits=httpx.Limits(keepalive_expiry=2.0))
             yield
             await self.client.aclose()
 
