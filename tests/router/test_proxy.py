@@ -173,6 +173,10 @@ def test_connection_failure_takes_the_worker_out_at_once():
     with fake_deployment(2, 1, "--health-check-interval", "30") as dep:
         dead = dep.server_of(dep.prefill[0])
         dead.stop()
+        # A real decode answers only after prefill's transfer, so never before a dead
+        # prefill's refused connection; the instant fake could (seen on a loaded machine:
+        # the late prefill failure is then only logged and nothing is retried).
+        dep.decode[0].faults.delay_s = 0.5
         # Whichever prefill each request is sent to, every request succeeds.
         for _ in range(4):
             assert dep.client.post("/v1/completions", json=COMPLETION).status_code == 200
