@@ -177,9 +177,7 @@ class _Side:
         """The scheduler is done with a room: forget it once it has ended."""
         with self._lock:
             self._rooms.pop(room, None)
-        r = self.rooms.get(room)
-        if r is not None and r.state.terminal:
-            self.rooms.close(room)
+        self.rooms.close_if_ended(room)
 
 
 # ---------------------------------------------------------------------------

@@ -156,6 +156,16 @@ class RoomTable:
                 raise RoomError(f"room {room} is still {r.state.name}")
             del self._rooms[room]
 
+    def close_if_ended(self, room: int) -> bool:
+        """Forget the room if it has ended (one step: a transfer thread may open the same
+        number again between a separate check and the close)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or not r.state.terminal:
+                return False
+            del self._rooms[room]
+            return True
+
     def ended(self) -> list[int]:
         """Rooms in a terminal state (to be closed by whoever owns them)."""
         with self._lock:

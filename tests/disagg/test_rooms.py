@@ -120,3 +120,15 @@ def test_advance_only_from_is_one_step():
     # Already past it: no move, and not the "goes backwards" error a plain advance raises.
     assert not t.advance(1, RoomState.TRANSFERRING, only_from=RoomState.WAITING_FOR_INPUT)
     assert t.get(1).state is RoomState.SUCCESS
+
+
+def test_close_if_ended_keeps_live_rooms():
+    t, _ = table()
+    t.open(4)
+    assert not t.close_if_ended(4) and t.get(4) is not None   # live: kept
+    t.fail(4, "aborted")
+    t.open_or_join(4)                                          # reopened by another thread
+    assert not t.close_if_ended(4) and t.get(4).state is RoomState.BOOTSTRAPPING
+    t.fail(4, "aborted")
+    assert t.close_if_ended(4) and t.get(4) is None
+    assert not t.close_if_ended(4)                             # unknown: nothing to do
