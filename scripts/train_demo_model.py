@@ -16,7 +16,11 @@ Key choices (from a failed first feasibility run, see the README of the asset):
   * recall rides on copying: merged tokens make the question's last token and the
     key's list token "the same" (see MERGED), so the copy task's induction heads
     do the lookup (four sessions of recipes never taught the character-level
-    two-hop lookup).
+    two-hop lookup);
+  * recall's value characters 2-3 need their key, not just the previous
+    character: optional supervised attention losses (``--key-attn-weight``,
+    ``--lookup-attn-weight``, see SupervisedAttention) teach two heads to carry
+    each value character's key and the copy heads to use it.
 
 Held-out evaluation during training is teacher-forced: the greedy answer is
 exactly right iff the argmax at every answer position equals the target, so a
@@ -364,6 +368,113 @@ def grow_vocab(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------
+# Supervised lookup attention (training only; the exported model is a plain Llama)
+# ---------------------------------------------------------------------------
+
+KEY_EQ = {CHAR_ID[k + "?\n"]: CHAR_ID[k + "="] for k in string.ascii_lowercase}
+
+
+def _recall_keys(ids: list[int], spans: list[tuple[str, int, int]]) -> list[tuple[int, int, int]]:
+    """(answer start, answer end, list key position) of every recall answer in one row.
+
+    The token before a recall answer is ``k?\n``; its value is the three tokens
+    after the most recent ``k=`` (the question's own list, or for a follow-up
+    the previous turn's).
+    """
+    out = []
+    for task, s, e in spans:
+        key_eq = KEY_EQ.get(ids[s - 1]) if task == "recall" else None
+        if key_eq is not None:
+            out.append((s, e, max(i for i in range(s - 1) if ids[i] == key_eq)))
+    return out
+
+
+def lookup_targets(ids: list[int], spans: list[tuple[str, int, int]]) -> list[tuple[int, int]]:
+    """(query, target) positions of the copy heads: predicting a recall answer's
+    j-th character (at position start-1+j) copies list token key+1+j."""
+    return [(s - 1 + j, kp + 1 + j) for s, e, kp in _recall_keys(ids, spans) for j in range(e - s - 1)]
+
+
+def key_targets(ids: list[int], spans: list[tuple[str, int, int]]) -> list[tuple[int, int]]:
+    """(query, target) positions of the key heads: every value character of every
+    list looks at its pair's ``k=``, every recall answer character at its ``k?\n``."""
+    keys = set(KEY_EQ.values())
+    listed = [(kp + j, kp) for kp, t in enumerate(ids[:-3]) if t in keys for j in (1, 2, 3)]
+    answers = [(s + j, s - 1) for s, e, _ in _recall_keys(ids, spans) for j in range(e - s - 1)]
+    return listed + answers
+
+
+class SupervisedAttention:
+    """Cross-entropy of chosen heads' attention against given target positions.
+
+    Recall's second and third value characters were copied by induction on the
+    previous character alone: the run-3 model's last-layer copy heads drift to
+    another value sharing that character (~0.8 exact match), and a linear probe
+    found no trace of a value character's own key in the residual stream past
+    the first character, so nothing could tell the two apart.  Two supervised
+    patterns supply it: layer-2 "key heads" (unused ones, by ablation) look
+    from every value character and every recall answer character at its key
+    token, and the layer-3 copy heads look at the list character they copy
+    (``lookup_targets``).  The scores are recomputed from the layer's input
+    (captured by a pre-hook) so the forward pass itself keeps SDPA.
+    """
+
+    def __init__(self, model: torch.nn.Module, layer: int, heads: list[int]) -> None:
+        self.attn = model.model.layers[layer].self_attn
+        cfg = model.config
+        self.heads = heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.captured: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.attn.register_forward_pre_hook(self._capture, with_kwargs=True)
+
+    @torch.no_grad()
+    def reset_scores(self, generator: torch.Generator) -> None:
+        """Re-initialise the heads' query and key projections (near-uniform attention).
+
+        For heads given a new role: the run-3 model's unused layer-2 heads have
+        logits in the hundreds, and supervising them as they are blew the loss
+        up to ~400 and wrecked the model within 50 steps.  Key rows are shared
+        by a KV group, so the heads must cover whole groups.
+        """
+        groups = {h // self.group for h in self.heads}
+        assert {h for g in groups for h in range(g * self.group, (g + 1) * self.group)} == set(self.heads), \
+            "supervised heads must cover whole KV groups to reset their keys"
+        d = self.head_dim
+        for h in self.heads:
+            w = self.attn.q_proj.weight[h * d:(h + 1) * d]
+            w.copy_(torch.randn(w.shape, generator=generator) * 0.02)
+        for g in groups:
+            w = self.attn.k_proj.weight[g * d:(g + 1) * d]
+            w.copy_(torch.randn(w.shape, generator=generator) * 0.02)
+
+    def _capture(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self.captured = (hidden, kwargs["position_embeddings"])
+
+    def loss(self, targets: list[list[tuple[int, int]]]) -> torch.Tensor:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        assert self.captured is not None, "run the model forward first"
+        hidden, (cos, sin) = self.captured
+        rows = [r for r, t in enumerate(targets) for _ in t]
+        if not rows:
+            return hidden.new_zeros(())
+        qpos = torch.tensor([q for t in targets for q, _ in t])
+        kpos = torch.tensor([k for t in targets for _, k in t])
+        rows_t = torch.tensor(rows)
+        b, n, _ = hidden.shape
+        q = self.attn.q_proj(hidden).view(b, n, -1, self.head_dim).transpose(1, 2)
+        k = self.attn.k_proj(hidden).view(b, n, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        heads = torch.tensor(self.heads)
+        scores = q[:, heads] @ k[:, heads // self.group].transpose(-1, -2) / math.sqrt(self.head_dim)  # [b, h, n, n]
+        causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+        logp = scores.masked_fill(causal, float("-inf")).log_softmax(-1)
+        return -logp[rows_t, :, qpos, kpos].mean()
+
+
+# ---------------------------------------------------------------------------
 # Teacher-forced held-out evaluation (== greedy exact match, see module doc)
 # ---------------------------------------------------------------------------
 
@@ -490,6 +601,12 @@ def write_readme(out: Path, ckpt: dict[str, Any], res: dict[str, Any], eval_n: i
         provenance += (f", starting from the weights of `{Path(a['init_from']).name}` (an earlier export, "
                        "its vocabulary grown by `grow_vocab`); the curve below is this run's")
     provenance += "."
+    if a.get("key_attn_weight") or a.get("lookup_attn_weight"):
+        provenance += (" This run added supervised attention losses (training only, the model is a plain "
+                       f"Llama): layer {a['key_attn_layer']} heads {a['key_attn_heads']} look from each value "
+                       f"character at its key, layer {a['lookup_attn_layer']} heads {a['lookup_attn_heads']} "
+                       "from each recall answer position at the list character it copies (see the trainer's "
+                       "`SupervisedAttention`).")
     text = f"""# pdserve demo model
 
 A tiny (nearly) character-level `LlamaForCausalLM` (GQA, RMSNorm, RoPE, SiLU MLP,
@@ -545,7 +662,7 @@ Reproduce: `{reproduce_command(a)}` ({a['threads']} thread(s); it took
 
 ## Training curve
 
-Teacher-forced held-out exact match during training (64 questions per task,
+Teacher-forced held-out exact match during training ({a['eval_n']} questions per task,
 full difficulty ranges; equal to greedy exact match, see the trainer's doc):
 
 {curve}
@@ -622,6 +739,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recall-full-from", type=int, default=10**9,
                    help="step from which recall lists use the full 2..16 range (ends its curriculum)")
     p.add_argument("--skip-from", type=int, default=2500, help="step from which they are added")
+    p.add_argument("--lookup-attn-weight", type=float, default=0.0,
+                   help="weight of the supervised lookup attention loss (see SupervisedAttention); 0 = off")
+    p.add_argument("--lookup-attn-layer", type=int, default=3, help="layer whose heads it supervises")
+    p.add_argument("--lookup-attn-heads", default="2,3,4,5,6,7",
+                   help="comma-separated heads it supervises (the shipped model's copying heads)")
+    p.add_argument("--key-attn-weight", type=float, default=0.0,
+                   help="weight of the supervised key-head attention loss (see SupervisedAttention); 0 = off")
+    p.add_argument("--key-attn-layer", type=int, default=2, help="layer whose heads it supervises")
+    p.add_argument("--key-attn-heads", default="0,1", help="comma-separated heads it supervises")
     p.add_argument("--ckpt-minutes", type=float, default=5.0)
     p.add_argument("--final-eval-n", type=int, default=300, help="questions per task for the exported README")
     p.add_argument("--hidden", type=int, default=256)
@@ -645,11 +771,30 @@ def reproduce_command(args: dict[str, Any]) -> str:
     return " ".join(["python scripts/train_demo_model.py", *flags])
 
 
+def _heads(flag: str) -> list[int]:
+    return [int(h) for h in flag.split(",")]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.copy_share is not None and not (0.0 <= args.copy_share <= 1.0 - args.recall_share):
         parser.error(f"--copy-share {args.copy_share} must be in [0, 1 - --recall-share]")
+    for flag in ("lookup", "key"):
+        if getattr(args, f"{flag}_attn_weight") < 0:
+            parser.error(f"--{flag}-attn-weight must be >= 0")
+        if getattr(args, f"{flag}_attn_weight") == 0:
+            continue
+        layer = getattr(args, f"{flag}_attn_layer")
+        if not 0 <= layer < args.layers:
+            parser.error(f"--{flag}-attn-layer {layer} must be in [0, --layers)")
+        heads = getattr(args, f"{flag}_attn_heads")
+        try:
+            valid = all(0 <= h < args.heads for h in _heads(heads))
+        except ValueError:
+            valid = False
+        if not valid:
+            parser.error(f"--{flag}-attn-heads {heads!r} must be comma-separated heads in [0, --heads)")
     return args
 
 
@@ -716,6 +861,14 @@ def main() -> None:
 
     # The template rendering and encode() must agree token for token.
     tok = build_tokenizer()
+    lookup = None
+    if args.lookup_attn_weight > 0:
+        lookup = SupervisedAttention(model, args.lookup_attn_layer, _heads(args.lookup_attn_heads))
+    key_heads = None
+    if args.key_attn_weight > 0:
+        key_heads = SupervisedAttention(model, args.key_attn_layer, _heads(args.key_attn_heads))
+        if not (args.resume and ckpt_path.exists()):
+            key_heads.reset_scores(torch.Generator().manual_seed(args.seed))
     probe = sample_conversation(random.Random(0), Curriculum(32, 16), 400)
     clean = [{"role": m["role"], "content": m["content"]} for m in probe]
     rendered = tok.apply_chat_template(clean, tokenize=False)
@@ -749,7 +902,7 @@ def main() -> None:
     t_start = time.time() - (history[-1]["time_s"] if history else 0)
     t_run = time.time()
     t_ckpt = t_run
-    agg: dict[str, list[float]] = {"loss": [], "ntok": []}
+    agg: dict[str, list[float]] = {"loss": [], "ntok": [], "attn": [], "key_attn": []}
     task_loss: dict[str, list[float]] = {t: [0.0, 0] for t in (*dt.TASKS, "skip")}
     t_log = time.time()
     model.train()
@@ -774,6 +927,14 @@ def main() -> None:
         ce = ce.view(ids.size(0), -1) * wts[:, 1:]
         n_turns = sum(len(s) for s in spans)
         loss = ce.sum() / n_turns  # mean over answer turns of the mean token CE
+        if lookup is not None:
+            attn_loss = lookup.loss([lookup_targets(ids[r].tolist(), row_spans) for r, row_spans in enumerate(spans)])
+            agg["attn"].append(float(attn_loss))
+            loss = loss + args.lookup_attn_weight * attn_loss
+        if key_heads is not None:
+            key_loss = key_heads.loss([key_targets(ids[r].tolist(), row_spans) for r, row_spans in enumerate(spans)])
+            agg["key_attn"].append(float(key_loss))
+            loss = loss + args.key_attn_weight * key_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -793,8 +954,10 @@ def main() -> None:
             per_task = " ".join(f"{t}={v[0] / max(1, v[1]):.3f}" for t, v in task_loss.items())
             log(f"step {step} loss {sum(agg['loss']) / len(agg['loss']):.4f} [{per_task}] lr {lr_at(step, args):.2e} "
                 f"tok/s {sum(agg['ntok']) / dt_s:.0f} cur copy<={cur.copy_max} recall<={cur.recall_max} "
-                f"long_row={cur.long_row}", logf)
-            agg = {"loss": [], "ntok": []}
+                f"long_row={cur.long_row}"
+                + "".join(f" {name} {sum(v) / len(v):.3f}" for name, v in (("lookup_attn", agg["attn"]),
+                                                                           ("key_attn", agg["key_attn"])) if v), logf)
+            agg = {"loss": [], "ntok": [], "attn": [], "key_attn": []}
             task_loss = {t: [0.0, 0] for t in (*dt.TASKS, "skip")}
             t_log = time.time()
 

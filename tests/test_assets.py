@@ -106,6 +106,77 @@ def test_trainer_task_shares():
             trainer.parse_args(bad)
 
 
+def test_trainer_lookup_targets_point_at_the_recalled_value():
+    """Each recall answer character's target is the list token it copies; a follow-up uses the latest list."""
+    trainer = _load_trainer()
+    conv = [
+        {"role": "user", "content": "Remember: a=x1y, c=k0k, b=z9q. What is c?"},
+        {"role": "assistant", "content": "k0k", "task": "recall"},
+        {"role": "user", "content": "What is 3 + 4?"},
+        {"role": "assistant", "content": "3 + 4 = 7", "task": "arithmetic"},
+        {"role": "user", "content": "Remember: c=m2n, d=p3r. What is d?"},
+        {"role": "assistant", "content": "p3r", "task": "recall"},
+        {"role": "user", "content": "What is c?"},
+        {"role": "assistant", "content": "m2n", "task": "recall"},
+    ]
+    ids, _, spans = trainer.encode(conv)
+    targets = trainer.lookup_targets(ids, spans)
+    assert len(targets) == 9  # three characters per recall answer, none for arithmetic or </s>
+    answers = [c for m in conv if m.get("task") == "recall" for c in m["content"]]
+    for (query, source), char in zip(targets, answers):
+        assert ids[source] == trainer.CHAR_ID[char] and ids[query + 1] == trainer.CHAR_ID[char]
+    # The follow-up "What is c?" copies the second list (c=m2n), not the first.
+    assert targets[6][1] > spans[1][2]
+    # Key heads: every value character of both lists looks at its own "k=", every answer character at "k?\n".
+    keys = trainer.key_targets(ids, spans)
+    key_eq = {trainer.CHAR_ID[k + "="] for k in "abcd"}
+    assert len(keys) == 3 * 5 + 3 * 3
+    for query, source in keys:
+        assert ids[source] in key_eq | set(trainer.KEY_EQ) and 1 <= query - source <= 3
+
+
+def test_trainer_lookup_attention_matches_the_models_own_attention():
+    """The recomputed supervised scores are the layer's real attention (eager attention as reference)."""
+    import random
+
+    import torch
+
+    trainer = _load_trainer()
+    torch.manual_seed(0)
+    args = trainer.parse_args(["--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4",
+                               "--kv-heads", "2", "--lookup-attn-weight", "1", "--lookup-attn-layer", "1",
+                               "--lookup-attn-heads", "1,2"])
+    model = trainer.build_model(trainer.build_config(args)).eval()
+    lookup = trainer.SupervisedAttention(model, 1, [1, 2])
+    cur = trainer.Curriculum(trainer.COPY_STEPS[-1], trainer.RECALL_STEPS[-1], recall_share=0.8)
+    ids, _, spans = trainer.make_batch(random.Random(3), cur, 256, 1024, followup_prob=0.5)
+    targets = [trainer.lookup_targets(ids[r].tolist(), row) for r, row in enumerate(spans)]
+    assert sum(map(len, targets)) > 0
+    with torch.no_grad():
+        model(input_ids=ids)
+        loss = lookup.loss(targets)
+        model.config._attn_implementation = "eager"
+        attn = model(input_ids=ids, output_attentions=True).attentions[1]
+    reference = torch.stack([attn[r, [1, 2], q, k] for r, row in enumerate(targets) for q, k in row])
+    assert torch.allclose(loss, -reference.log().mean(), rtol=1e-4)
+    # Re-initialising a KV group's scores touches only its heads' query and key rows.
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    trainer.SupervisedAttention(model, 1, [2, 3]).reset_scores(torch.Generator().manual_seed(0))
+    changed = {n for n, t in model.state_dict().items() if not torch.equal(t, before[n])}
+    assert changed == {"model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"}
+    q_rows = (model.model.layers[1].self_attn.q_proj.weight != before["model.layers.1.self_attn.q_proj.weight"]).any(1)
+    assert q_rows.nonzero().flatten().tolist() == list(range(32, 64))  # heads 2 and 3 of head dim 16
+    k_rows = (model.model.layers[1].self_attn.k_proj.weight != before["model.layers.1.self_attn.k_proj.weight"]).any(1)
+    assert k_rows.nonzero().flatten().tolist() == list(range(16, 32))  # their KV head 1
+    with pytest.raises(AssertionError, match="whole KV groups"):
+        trainer.SupervisedAttention(model, 1, [1]).reset_scores(torch.Generator())
+    for bad in (["--lookup-attn-weight", "1", "--lookup-attn-layer", "4"], ["--key-attn-weight", "1",
+                "--key-attn-heads", "8"], ["--lookup-attn-weight", "1", "--lookup-attn-heads", "a,b"],
+                ["--key-attn-weight", "-1"]):
+        with pytest.raises(SystemExit):
+            trainer.parse_args(bad)
+
+
 def test_engine_defaults_to_demo_and_copies(make_engine):
     from pdserve import assets
 
