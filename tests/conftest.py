@@ -12,6 +12,18 @@ import torch
 
 from pdserve.testing import build_random_model
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test's report carries the log tails of the server / router processes running then."""
+    from tests import process_logs
+
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for label, tail in process_logs.tails():
+            report.sections.append((f"log of {label} (last {process_logs.TAIL_CHARS} chars)", tail))
+
+
 MODEL_SPECS: dict[str, dict[str, Any]] = {
     "llama_gqa": dict(arch="llama", num_heads=4, num_kv_heads=2),
     "llama_tied": dict(arch="llama", num_heads=4, num_kv_heads=4, tie_word_embeddings=True),

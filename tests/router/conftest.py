@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterator
 import httpx
 
 from pdserve.router.app import create_app
+from tests import process_logs
 from pdserve.router.config import from_cli
 from pdserve.router.fake_worker import FakeWorker, ThreadedServer
 
@@ -95,6 +96,7 @@ class RouterProcess:
                      "--log-level", "warning", *args]
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+        process_logs.register(self.log.name, f"router :{self.port}")
         self.client = httpx.Client(base_url=self.url, timeout=120)
         deadline = time.monotonic() + ready_timeout
         while True:
@@ -133,6 +135,7 @@ class RouterProcess:
                 self.proc.wait(10)
         self.client.close()
         self.log.close()
+        process_logs.unregister(self.log.name)
         with contextlib.suppress(OSError):
             os.unlink(self.log.name)
 

@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterable, Iterator
 import httpx
 import pytest
 
+from tests import process_logs
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 90.0
 TERM_GRACE_S = 15.0
@@ -97,6 +99,7 @@ class ServerProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT,
                                      cwd=str(REPO_ROOT), env=env, start_new_session=True)
+        process_logs.register(self.log.name, f"server :{self.port} ({' '.join(extra) or 'defaults'})")
         self.known_pids: set[int] = set()
         self.client = httpx.Client(base_url=self.url, headers=self.headers, timeout=60.0)
         self._wait_ready()
@@ -222,6 +225,7 @@ class ServerProcess:
             self.kill_all()
             self.client.close()
             self.log.close()
+            process_logs.unregister(self.log.name)
             with contextlib.suppress(OSError):
                 os.unlink(self.log.name)
 
