@@ -748,6 +748,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the supervised key-head attention loss (see SupervisedAttention); 0 = off")
     p.add_argument("--key-attn-layer", type=int, default=2, help="layer whose heads it supervises")
     p.add_argument("--key-attn-heads", default="0,1", help="comma-separated heads it supervises")
+    p.add_argument("--key-attn-reset", action=argparse.BooleanOptionalAction, default=True,
+                   help="re-initialise the key heads' query/key projections at the start (off when continuing "
+                        "from a model whose key heads were already trained)")
     p.add_argument("--ckpt-minutes", type=float, default=5.0)
     p.add_argument("--final-eval-n", type=int, default=300, help="questions per task for the exported README")
     p.add_argument("--hidden", type=int, default=256)
@@ -766,7 +769,8 @@ _NOT_RECIPE = {"threads", "out", "ckpt_dir", "resume", "overwrite", "export_only
 def reproduce_command(args: dict[str, Any]) -> str:
     """The trainer command line that replays a run (its non-default recipe flags)."""
     defaults = vars(build_parser().parse_args([]))
-    flags = [f"--{k.replace('_', '-')} {v}" for k, v in args.items()
+    flags = [(f"--{k.replace('_', '-')}" if v else f"--no-{k.replace('_', '-')}") if isinstance(v, bool)
+             else f"--{k.replace('_', '-')} {v}" for k, v in args.items()
              if k in defaults and k not in _NOT_RECIPE and v is not None and str(v) != str(defaults[k])]
     return " ".join(["python scripts/train_demo_model.py", *flags])
 
@@ -867,7 +871,7 @@ def main() -> None:
     key_heads = None
     if args.key_attn_weight > 0:
         key_heads = SupervisedAttention(model, args.key_attn_layer, _heads(args.key_attn_heads))
-        if not (args.resume and ckpt_path.exists()):
+        if args.key_attn_reset and not (args.resume and ckpt_path.exists()):
             key_heads.reset_scores(torch.Generator().manual_seed(args.seed))
     probe = sample_conversation(random.Random(0), Curriculum(32, 16), 400)
     clean = [{"role": m["role"], "content": m["content"]} for m in probe]

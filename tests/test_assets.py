@@ -170,6 +170,11 @@ def test_trainer_lookup_attention_matches_the_models_own_attention():
     assert k_rows.nonzero().flatten().tolist() == list(range(16, 32))  # their KV head 1
     with pytest.raises(AssertionError, match="whole KV groups"):
         trainer.SupervisedAttention(model, 1, [1]).reset_scores(torch.Generator())
+    # A continuation keeps trained key heads; its replay command says so in a form the parser takes back.
+    kept = vars(trainer.parse_args(["--key-attn-weight", "1", "--no-key-attn-reset"]))
+    command = trainer.reproduce_command(kept)
+    assert "--no-key-attn-reset" in command
+    assert trainer.parse_args(command.split()[2:]).key_attn_reset is False
     for bad in (["--lookup-attn-weight", "1", "--lookup-attn-layer", "4"], ["--key-attn-weight", "1",
                 "--key-attn-heads", "8"], ["--lookup-attn-weight", "1", "--lookup-attn-heads", "a,b"],
                 ["--key-attn-weight", "-1"]):
@@ -257,6 +262,12 @@ FIXED_QUESTIONS = [
     ("Remember: l=qvd, a=quv, f=0fi, k=6wv, x=k5l. What is k?", "6wv"),
     ("Remember: y=t1n, t=gph, u=gd0, q=d65, m=qp3, a=5yi, b=nbf, v=x4h, k=tnx, e=4l0, d=fgh, z=yxu, s=svk, "
      "j=toy. What is a?", "5yi"),
+    # Long lists where a value character also occurs in another value (the run-3 model,
+    # copying on the previous character alone, answered both wrong).
+    ("Remember: u=b27, q=jvx, p=lmx, f=ysm, n=8rh, z=7m2, e=q29, s=qhh, c=ewk, x=zir, l=26z, i=kgg, h=w4q, "
+     "b=ugw, v=1it. What is p?", "lmx"),
+    ("Remember: q=bb5, o=b7t, r=6d1, e=2uf, p=nmy, c=fwl, t=i18, v=njc, h=m4o, u=70z, a=jil, d=7tw. What is o?",
+     "b7t"),
     ("What is 15 + 17?", "15 + 17 = 32"),
     ("What is 77 - 23?", "77 - 23 = 54"),
     ("What is 58 + 29?", "58 + 29 = 87"),
