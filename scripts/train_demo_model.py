@@ -17,18 +17,33 @@ Key choices (from a failed first feasibility run, see the README of the asset):
     key's list token "the same" (see MERGED), so the copy task's induction heads
     do the lookup (four sessions of recipes never taught the character-level
     two-hop lookup);
-  * recall's value characters 2-3 need their key, not just the previous
-    character: optional supervised attention losses (``--key-attn-weight``,
-    ``--lookup-attn-weight``, see SupervisedAttention) teach two heads to carry
-    each value character's key and the copy heads to use it.
+  * supervised attention (training only, the export is a plain Llama; see
+    SupervisedAttention): the circuits each task needs are named and their
+    attention patterns taught directly, which is what fits the whole recipe
+    into one ~85-minute run from scratch (the earlier unsupervised recipe took
+    five runs and ~230 minutes to reach the bars):
+      - a previous-token head (``--prev-attn-*``, layer 1), the first half of
+        every induction head;
+      - copy heads (``--lookup-attn-*``, layer 3) look at the character they
+        are about to emit: the repeated string, the echoed ``A + B``, the
+        recalled list value;
+      - key heads (``--key-attn-*``, layer 2) carry each recall value
+        character's key, so characters 2-3 are not copied by the previous
+        character alone;
+      - operand heads (``--arith-attn-*``, layer 1) bring A's and B's digits to
+        every result position, leaving the MLPs only the sum (arithmetic was the
+        slowest task by far without them).
+    In one GPU comparison at ~2200 steps, the previous-token head at layer 1
+    instead of 0 took copy from 0.02 to 0.9, and the operand heads at layer 1
+    (not 2) took arithmetic from 0.1 to 0.5.
 
 Held-out evaluation during training is teacher-forced: the greedy answer is
 exactly right iff the argmax at every answer position equals the target, so a
 single forward pass gives the same exact-match number as greedy generation.
 
-Typical use:
-  nice -n 10 python scripts/train_demo_model.py --threads 1            # fresh run
-  nice -n 10 python scripts/train_demo_model.py --threads 1 --resume   # continue
+Typical use (the defaults are the shipped model's recipe):
+  python scripts/train_demo_model.py --threads 2            # fresh run, ~85 min on 2 quiet cores
+  python scripts/train_demo_model.py --threads 2 --resume   # continue after a stop
   python scripts/train_demo_model.py --export-only                     # export latest ckpt
 """
 
@@ -395,6 +410,68 @@ def lookup_targets(ids: list[int], spans: list[tuple[str, int, int]]) -> list[tu
     return [(s - 1 + j, kp + 1 + j) for s, e, kp in _recall_keys(ids, spans) for j in range(e - s - 1)]
 
 
+EQUALS = CHAR_ID["="]
+# Tasks whose answers (or answer prefix) copy the question: the copy heads'
+# targets for them (see copy_targets); recall's come from lookup_targets.
+COPY_TASKS = ("copy", "arithmetic")
+
+
+def copy_targets(ids: list[int], spans: list[tuple[str, int, int]], tasks: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(query, target) positions of the copy heads on answers that repeat the question.
+
+    ``Repeat: S\n`` -> ``S``: predicting answer character j (at position
+    start-1+j) copies S[j], which ends right before the closing ``\n``.
+    ``What is A + B?\n`` -> ``A + B = C``: the echoed ``A + B`` likewise
+    copies the characters before the closing ``?\n`` (the result has no source).
+    """
+    out = []
+    for task, s, e in spans:
+        if task not in tasks:
+            continue
+        if task == "copy":
+            n = e - s - 1  # answer characters, without </s>
+        elif task == "arithmetic":
+            n = ids.index(EQUALS, s, e) - s - 1  # "A + B" before " = "
+        else:
+            continue
+        out += [(s - 1 + j, s - 1 - n + j) for j in range(n)]
+    return out
+
+
+OPS = (CHAR_ID["+"], CHAR_ID["-"])
+
+
+def arith_targets(ids: list[int], spans: list[tuple[str, int, int]]) -> list[list[tuple[int, int]]]:
+    """(query, target) positions of four operand heads: A's tens, A's units, B's tens, B's units.
+
+    Every position that predicts a result digit or the closing ``</s>`` of
+    ``A + B = C`` looks at one digit of the answer's own echo of ``A op B``,
+    so the MLPs get all four digits and learn only the sum.  A one-digit
+    operand's "tens" is the token before it (never a digit: the question's
+    ``?\n`` or the space after the operator), which reads as zero.
+    """
+    heads: list[list[tuple[int, int]]] = [[], [], [], []]
+    for task, s, e in spans:
+        if task != "arithmetic":
+            continue
+        eq = ids.index(EQUALS, s, e)
+        op = next(i for i in range(s, eq) if ids[i] in OPS)
+        a_units, b_units = op - 2, eq - 2  # "A op B = C": a space on each side of op and =
+        sources = (a_units - 1, a_units, b_units - 1, b_units)
+        for q in range(eq + 1, e - 1):
+            for h, src in enumerate(sources):
+                heads[h].append((q, src))
+    return heads
+
+
+def prev_targets(ids: list[int]) -> list[tuple[int, int]]:
+    """(query, target) positions of a previous-token head: every position looks one back."""
+    n = len(ids)
+    while n > 1 and ids[n - 1] == PAD:
+        n -= 1
+    return [(i, i - 1) for i in range(1, n)]
+
+
 def key_targets(ids: list[int], spans: list[tuple[str, int, int]]) -> list[tuple[int, int]]:
     """(query, target) positions of the key heads: every value character of every
     list looks at its pair's ``k=``, every recall answer character at its ``k?\n``."""
@@ -460,16 +537,17 @@ class SupervisedAttention:
         rows = [r for r, t in enumerate(targets) for _ in t]
         if not rows:
             return hidden.new_zeros(())
-        qpos = torch.tensor([q for t in targets for q, _ in t])
-        kpos = torch.tensor([k for t in targets for _, k in t])
-        rows_t = torch.tensor(rows)
+        dev = hidden.device
+        qpos = torch.tensor([q for t in targets for q, _ in t], device=dev)
+        kpos = torch.tensor([k for t in targets for _, k in t], device=dev)
+        rows_t = torch.tensor(rows, device=dev)
         b, n, _ = hidden.shape
         q = self.attn.q_proj(hidden).view(b, n, -1, self.head_dim).transpose(1, 2)
         k = self.attn.k_proj(hidden).view(b, n, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        heads = torch.tensor(self.heads)
+        heads = torch.tensor(self.heads, device=dev)
         scores = q[:, heads] @ k[:, heads // self.group].transpose(-1, -2) / math.sqrt(self.head_dim)  # [b, h, n, n]
-        causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).triu(1)
         logp = scores.masked_fill(causal, float("-inf")).log_softmax(-1)
         return -logp[rows_t, :, qpos, kpos].mean()
 
@@ -490,7 +568,7 @@ def tf_exact_match(model: torch.nn.Module, convs: list[list[dict[str, str]]], ba
         ids = torch.full((len(encs), width), PAD, dtype=torch.long)
         for r, e in enumerate(encs):
             ids[r, : len(e[0])] = torch.tensor(e[0])
-        pred = model(input_ids=ids, use_cache=False).logits.argmax(-1)
+        pred = model(input_ids=ids.to(model.device), use_cache=False).logits.argmax(-1).cpu()
         for r, (_, _, spans) in enumerate(encs):
             _, s, e = spans[-1]
             ok = pred[r, s - 1 : e - 1] == ids[r, s:e]
@@ -590,6 +668,28 @@ def training_curve(history: list[dict[str, Any]], rows: int = 16) -> str:
     return "\n".join(lines)
 
 
+def supervision_summary(a: dict[str, Any]) -> str:
+    """Markdown bullets naming each supervised attention loss a run used (empty if none)."""
+    lines = []
+    if a.get("prev_attn_weight"):
+        lines.append(f"layer {a['prev_attn_layer']} heads {a['prev_attn_heads']} look at the previous token "
+                     "(half of an induction head)")
+    if a.get("lookup_attn_weight"):
+        tasks = a.get("lookup_attn_tasks", "recall").split(",")
+        what = {"recall": "each recall answer position at the list character it copies",
+                "copy": "each copy answer position at the character of the question it repeats",
+                "arithmetic": "each echoed `A + B` position at the question character it repeats"}
+        lines.append(f"layer {a['lookup_attn_layer']} heads {a['lookup_attn_heads']} (copy heads) look from "
+                     + "; from ".join(what[t] for t in tasks))
+    if a.get("arith_attn_weight"):
+        lines.append(f"layer {a['arith_attn_layer']} heads {a['arith_attn_heads']} look from each arithmetic "
+                     "result position at A's tens, A's units, B's tens and B's units (one head each)")
+    if a.get("key_attn_weight"):
+        lines.append(f"layer {a['key_attn_layer']} heads {a['key_attn_heads']} (key heads) look from each recall "
+                     "list value character at its `k=` and from each recall answer character at its `k?\\n`")
+    return "\n".join(f"  - {line};" if i < len(lines) - 1 else f"  - {line}." for i, line in enumerate(lines))
+
+
 def write_readme(out: Path, ckpt: dict[str, Any], res: dict[str, Any], eval_n: int) -> None:
     c = ckpt["config"]
     n_params = sum(v.numel() for v in ckpt["model"].values())
@@ -600,13 +700,24 @@ def write_readme(out: Path, ckpt: dict[str, Any], res: dict[str, Any], eval_n: i
     if a.get("init_from"):
         provenance += (f", starting from the weights of `{Path(a['init_from']).name}` (an earlier export, "
                        "its vocabulary grown by `grow_vocab`); the curve below is this run's")
+    else:
+        provenance += ", from scratch, in one run"
     provenance += "."
-    if a.get("key_attn_weight") or a.get("lookup_attn_weight"):
-        provenance += (" This run added supervised attention losses (training only, the model is a plain "
-                       f"Llama): layer {a['key_attn_layer']} heads {a['key_attn_heads']} look from each value "
-                       f"character at its key, layer {a['lookup_attn_layer']} heads {a['lookup_attn_heads']} "
-                       "from each recall answer position at the list character it copies (see the trainer's "
-                       "`SupervisedAttention`).")
+    supervised = supervision_summary(a)
+    if supervised:
+        provenance += (" Training added supervised attention losses (training only: the exported model is a "
+                       "plain Llama; see the trainer's `SupervisedAttention`):\n" + supervised)
+    extras = []
+    if a.get("recall_followup_prob", 0) > 0 and a.get("recall_followups_from", 0) < a["total_steps"]:
+        extras.append("follow-up questions `What is k?` on the previous turn's recall list (answer: its value)")
+    if a.get("skip_share", 0) > 0 and a.get("skip_from", 0) < a["total_steps"]:
+        extras.append("`Skip: S` -> every other character of S (see the trainer for why)")
+    extra_kinds = ("\nTraining also used training-only turn kinds (never evaluated): " + "; ".join(extras) + ".") \
+        if extras else ""
+    bars = {"arithmetic": 0.95, "copy": 0.95, "recall": 0.9}
+    missed = [f"{t} {res.get(t, 0):.3f} < {b}" for t, b in bars.items() if res.get(t, 0) < b]
+    status = ("**Status: meets the bars** (arithmetic >= 0.95, copy >= 0.95, recall >= 0.9)." if not missed
+              else "**Status: below the bars**: " + ", ".join(missed) + ".")
     text = f"""# pdserve demo model
 
 A tiny (nearly) character-level `LlamaForCausalLM` (GQA, RMSNorm, RoPE, SiLU MLP,
@@ -652,10 +763,7 @@ no recipe tried in four sessions learnt (recall stayed at 1/n).
   Example: `Remember: q=4xa, c=k0k. What is c?` -> `k0k`.
 
 Conversations in training mix these tasks over several turns (up to
-~{ckpt['cur']['long_row']} tokens); each answer depends only on its own question.
-Training also used two training-only turn kinds (never evaluated): follow-up
-questions `What is k?` on the previous turn's recall list (answer: its value), and
-`Skip: S` -> every other character of S (see the trainer for why).
+~{ckpt['cur']['long_row']} tokens); each answer depends only on its own question.{extra_kinds}
 
 Reproduce: `{reproduce_command(a)}` ({a['threads']} thread(s); it took
 {ckpt['history'][-1]['time_s'] / 60:.0f} minutes here, on a 2-core machine).
@@ -689,6 +797,8 @@ transformers `generate`, {eval_n} questions per task, full difficulty ranges
 | task | exact match |
 |---|---|
 {acc}
+
+{status}
 """
     (out / "README.md").write_text(text)
 
@@ -696,6 +806,9 @@ transformers `generate`, {eval_n} questions per task, full difficulty ranges
 # ---------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------
+
+
+NEVER = 10**9  # a "from step" that never comes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -711,7 +824,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-only", action="store_true", help="export CKPT_DIR/latest.pt to OUT and exit")
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop (checkpointed) after this long; 0 = no limit")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--total-steps", type=int, default=3900)
+    p.add_argument("--total-steps", type=int, default=5000)
     p.add_argument("--set-total-steps", type=int, default=0,
                    help="with --resume: change the checkpoint's total step count (moves the LR decay)")
     p.add_argument("--tokens-per-step", type=int, default=4096)
@@ -726,31 +839,48 @@ def build_parser() -> argparse.ArgumentParser:
     # lookup lagged far behind copying the rest of the value); the defaults replay that.
     p.add_argument("--recall-key-weight", type=float, default=4.0,
                    help="loss weight of a recall answer's first character (relative to the others)")
-    p.add_argument("--recall-key-weight-from", type=int, default=1400, help="step from which it applies")
+    p.add_argument("--recall-key-weight-from", type=int, default=NEVER,
+                   help="step from which it applies (default never: the key heads made it unnecessary)")
     # Likewise switched on at step 2073: follow-up questions on a recall turn's list.
-    p.add_argument("--recall-followup-prob", type=float, default=0.9,
+    p.add_argument("--recall-followup-prob", type=float, default=0.5,
                    help="chance that a recall turn gets 1-3 follow-up questions on its list")
-    p.add_argument("--recall-followups-from", type=int, default=2073, help="step from which they are added")
-    p.add_argument("--recall-share", type=float, default=0.6, help="fraction of recall turns (from the step below)")
-    p.add_argument("--recall-share-from", type=int, default=2500, help="step from which it applies")
-    p.add_argument("--copy-share", type=float, default=None,
+    p.add_argument("--recall-followups-from", type=int, default=0, help="step from which they are added")
+    p.add_argument("--recall-share", type=float, default=0.3, help="fraction of recall turns (from the step below)")
+    p.add_argument("--recall-share-from", type=int, default=0, help="step from which it applies")
+    p.add_argument("--copy-share", type=float, default=0.15,
                    help="fraction of copy turns (default: arithmetic and copy keep their ratio)")
     p.add_argument("--skip-share", type=float, default=0.15, help="fraction of auxiliary Skip: turns")
-    p.add_argument("--recall-full-from", type=int, default=10**9,
+    p.add_argument("--recall-full-from", type=int, default=NEVER,
                    help="step from which recall lists use the full 2..16 range (ends its curriculum)")
-    p.add_argument("--skip-from", type=int, default=2500, help="step from which they are added")
-    p.add_argument("--lookup-attn-weight", type=float, default=0.0,
+    p.add_argument("--skip-from", type=int, default=NEVER,
+                   help="step from which they are added (default never: the supervised heads made them unnecessary)")
+    p.add_argument("--lookup-attn-weight", type=float, default=1.0,
                    help="weight of the supervised lookup attention loss (see SupervisedAttention); 0 = off")
     p.add_argument("--lookup-attn-layer", type=int, default=3, help="layer whose heads it supervises")
     p.add_argument("--lookup-attn-heads", default="2,3,4,5,6,7",
                    help="comma-separated heads it supervises (the shipped model's copying heads)")
-    p.add_argument("--key-attn-weight", type=float, default=0.0,
+    p.add_argument("--lookup-attn-tasks", default="recall,copy,arithmetic",
+                   help="comma-separated answers whose copying the lookup heads are supervised on: recall (the "
+                        "list value), copy (the repeated string), arithmetic (the echoed A + B)")
+    p.add_argument("--prev-attn-weight", type=float, default=1.0,
+                   help="weight of a supervised previous-token attention loss (the half of an induction head "
+                        "that copying needs first); 0 = off")
+    p.add_argument("--prev-attn-layer", type=int, default=1, help="layer whose heads it supervises")
+    p.add_argument("--prev-attn-heads", default="0,1", help="comma-separated heads it supervises")
+    p.add_argument("--arith-attn-weight", type=float, default=1.0,
+                   help="weight of a supervised operand attention loss for arithmetic results (see "
+                        "arith_targets); 0 = off")
+    p.add_argument("--arith-attn-layer", type=int, default=1, help="layer whose heads it supervises")
+    p.add_argument("--arith-attn-heads", default="2,3,4,5",
+                   help="four comma-separated heads: A's tens, A's units, B's tens, B's units")
+    p.add_argument("--key-attn-weight", type=float, default=1.0,
                    help="weight of the supervised key-head attention loss (see SupervisedAttention); 0 = off")
     p.add_argument("--key-attn-layer", type=int, default=2, help="layer whose heads it supervises")
     p.add_argument("--key-attn-heads", default="0,1", help="comma-separated heads it supervises")
     p.add_argument("--key-attn-reset", action=argparse.BooleanOptionalAction, default=True,
                    help="re-initialise the key heads' query/key projections at the start (off when continuing "
                         "from a model whose key heads were already trained)")
+    p.add_argument("--device", default="cpu", help="torch device (the recipe is tuned and timed on the CPU)")
     p.add_argument("--ckpt-minutes", type=float, default=5.0)
     p.add_argument("--final-eval-n", type=int, default=300, help="questions per task for the exported README")
     p.add_argument("--hidden", type=int, default=256)
@@ -763,7 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Flags that do not change what is trained.
 _NOT_RECIPE = {"threads", "out", "ckpt_dir", "resume", "overwrite", "export_only", "max_minutes", "ckpt_minutes",
-               "set_total_steps"}
+               "set_total_steps", "device"}
 
 
 def reproduce_command(args: dict[str, Any]) -> str:
@@ -784,7 +914,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.copy_share is not None and not (0.0 <= args.copy_share <= 1.0 - args.recall_share):
         parser.error(f"--copy-share {args.copy_share} must be in [0, 1 - --recall-share]")
-    for flag in ("lookup", "key"):
+    bad = set(args.lookup_attn_tasks.split(",")) - {"recall", *COPY_TASKS}
+    if bad or not args.lookup_attn_tasks:
+        parser.error(f"--lookup-attn-tasks {args.lookup_attn_tasks!r}: each must be one of recall, copy, arithmetic")
+    if args.arith_attn_weight > 0 and len(args.arith_attn_heads.split(",")) != 4:
+        parser.error(f"--arith-attn-heads {args.arith_attn_heads!r} must name four heads")
+    for flag in ("lookup", "key", "prev", "arith"):
         if getattr(args, f"{flag}_attn_weight") < 0:
             parser.error(f"--{flag}-attn-weight must be >= 0")
         if getattr(args, f"{flag}_attn_weight") == 0:
@@ -810,14 +945,14 @@ def main() -> None:
     logf = args.ckpt_dir / "train.log"
 
     if args.export_only:
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        ckpt = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         res = export(ckpt, args.out, args.final_eval_n, args.threads)
         log(f"exported step {ckpt['step']} to {args.out}: {json.dumps(res)}", None)
         return
 
     torch.manual_seed(args.seed)
     cfg = build_config(args)
-    model = build_model(cfg)
+    model = build_model(cfg).to(args.device)
     if args.init_from is not None and not args.resume:
         from safetensors.torch import load_file
 
@@ -839,7 +974,7 @@ def main() -> None:
     if ckpt_path.exists() and not (args.resume or args.overwrite):
         sys.exit(f"{ckpt_path} exists: pass --resume to continue or --overwrite to start fresh")
     if args.resume and ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False)
+        ck = torch.load(ckpt_path, weights_only=False, map_location=args.device)
         if ck["config"] != cfg.to_dict() and {k: v for k, v in ck["config"].items() if k != "transformers_version"} != {
             k: v for k, v in cfg.to_dict().items() if k != "transformers_version"
         }:
@@ -868,6 +1003,13 @@ def main() -> None:
     lookup = None
     if args.lookup_attn_weight > 0:
         lookup = SupervisedAttention(model, args.lookup_attn_layer, _heads(args.lookup_attn_heads))
+    prev_heads = None
+    if args.prev_attn_weight > 0:
+        prev_heads = SupervisedAttention(model, args.prev_attn_layer, _heads(args.prev_attn_heads))
+    arith_heads = []
+    if args.arith_attn_weight > 0:
+        arith_heads = [SupervisedAttention(model, args.arith_attn_layer, [h]) for h in _heads(args.arith_attn_heads)]
+    lookup_tasks = tuple(t for t in args.lookup_attn_tasks.split(",") if t in COPY_TASKS)
     key_heads = None
     if args.key_attn_weight > 0:
         key_heads = SupervisedAttention(model, args.key_attn_layer, _heads(args.key_attn_heads))
@@ -906,7 +1048,7 @@ def main() -> None:
     t_start = time.time() - (history[-1]["time_s"] if history else 0)
     t_run = time.time()
     t_ckpt = t_run
-    agg: dict[str, list[float]] = {"loss": [], "ntok": [], "attn": [], "key_attn": []}
+    agg: dict[str, list[float]] = {"loss": [], "ntok": [], "attn": [], "key_attn": [], "prev_attn": [], "arith_attn": []}
     task_loss: dict[str, list[float]] = {t: [0.0, 0] for t in (*dt.TASKS, "skip")}
     t_log = time.time()
     model.train()
@@ -926,19 +1068,32 @@ def main() -> None:
         ids, wts, spans = make_batch(rng, cur, row, args.tokens_per_step, key_weight, followups)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1), reduction="none")
-        ce = ce.view(ids.size(0), -1) * wts[:, 1:]
+        ids_d = ids.to(args.device)
+        logits = model(input_ids=ids_d, use_cache=False).logits[:, :-1]
+        ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids_d[:, 1:].reshape(-1), reduction="none")
+        ce = ce.view(ids.size(0), -1) * wts[:, 1:].to(args.device)
         n_turns = sum(len(s) for s in spans)
         loss = ce.sum() / n_turns  # mean over answer turns of the mean token CE
         if lookup is not None:
-            attn_loss = lookup.loss([lookup_targets(ids[r].tolist(), row_spans) for r, row_spans in enumerate(spans)])
+            attn_loss = lookup.loss([
+                (lookup_targets(ids[r].tolist(), row_spans) if "recall" in args.lookup_attn_tasks.split(",") else [])
+                + copy_targets(ids[r].tolist(), row_spans, lookup_tasks)
+                for r, row_spans in enumerate(spans)])
             agg["attn"].append(float(attn_loss))
             loss = loss + args.lookup_attn_weight * attn_loss
         if key_heads is not None:
             key_loss = key_heads.loss([key_targets(ids[r].tolist(), row_spans) for r, row_spans in enumerate(spans)])
             agg["key_attn"].append(float(key_loss))
             loss = loss + args.key_attn_weight * key_loss
+        if prev_heads is not None:
+            prev_loss = prev_heads.loss([prev_targets(ids[r].tolist()) for r in range(ids.size(0))])
+            agg["prev_attn"].append(float(prev_loss))
+            loss = loss + args.prev_attn_weight * prev_loss
+        if arith_heads:
+            per_row = [arith_targets(ids[r].tolist(), row_spans) for r, row_spans in enumerate(spans)]
+            arith_loss = sum(head.loss([t[h] for t in per_row]) for h, head in enumerate(arith_heads)) / len(arith_heads)
+            agg["arith_attn"].append(float(arith_loss))
+            loss = loss + args.arith_attn_weight * arith_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -960,8 +1115,10 @@ def main() -> None:
                 f"tok/s {sum(agg['ntok']) / dt_s:.0f} cur copy<={cur.copy_max} recall<={cur.recall_max} "
                 f"long_row={cur.long_row}"
                 + "".join(f" {name} {sum(v) / len(v):.3f}" for name, v in (("lookup_attn", agg["attn"]),
-                                                                           ("key_attn", agg["key_attn"])) if v), logf)
-            agg = {"loss": [], "ntok": [], "attn": [], "key_attn": []}
+                                                                           ("key_attn", agg["key_attn"]),
+                                                                           ("prev_attn", agg["prev_attn"]),
+                                                                           ("arith_attn", agg["arith_attn"])) if v), logf)
+            agg = {"loss": [], "ntok": [], "attn": [], "key_attn": [], "prev_attn": [], "arith_attn": []}
             task_loss = {t: [0.0, 0] for t in (*dt.TASKS, "skip")}
             t_log = time.time()
 

@@ -135,6 +135,51 @@ def test_trainer_lookup_targets_point_at_the_recalled_value():
         assert ids[source] in key_eq | set(trainer.KEY_EQ) and 1 <= query - source <= 3
 
 
+def test_trainer_copy_operand_and_previous_token_targets():
+    """Copy heads look at the character they emit; operand heads at A's and B's digits; a previous-token head one back."""
+    trainer = _load_trainer()
+    conv = [
+        {"role": "user", "content": "Repeat: q7w2e9"},
+        {"role": "assistant", "content": "q7w2e9", "task": "copy"},
+        {"role": "user", "content": "What is 7 + 12?"},
+        {"role": "assistant", "content": "7 + 12 = 19", "task": "arithmetic"},
+        {"role": "user", "content": "Remember: a=x1y, c=k0k. What is c?"},
+        {"role": "assistant", "content": "k0k", "task": "recall"},
+        {"role": "user", "content": "What is 45 - 3?"},
+        {"role": "assistant", "content": "45 - 3 = 42", "task": "arithmetic"},
+    ]
+    ids, _, spans = trainer.encode(conv)
+    digits = {trainer.CHAR_ID[d] for d in "0123456789"}
+
+    copies = trainer.copy_targets(ids, spans, ("copy", "arithmetic"))
+    assert len(copies) == len("q7w2e9") + len("7 + 12") + len("45 - 3")  # not the result, not </s>, not recall
+    for query, source in copies:
+        assert source < query and ids[source] == ids[query + 1]  # the source is the token to emit next
+    assert len(trainer.copy_targets(ids, spans, ("copy",))) == len("q7w2e9")
+
+    heads = trainer.arith_targets(ids, spans)
+    assert [len(h) for h in heads] == [3 + 3] * 4  # "19</s>" and "42</s>": two digits and the </s>
+    char = {i: t for t, i in trainer.CHAR_ID.items()}
+    first, second = slice(0, 3), slice(3, 6)
+    assert {char[ids[k]] for _, k in heads[1][first]} == {"7"} and {char[ids[k]] for _, k in heads[1][second]} == {"5"}
+    assert {char[ids[k]] for _, k in heads[0][second]} == {"4"}
+    assert all(ids[k] not in digits for _, k in heads[0][first])  # one-digit A: its "tens" is no digit
+    assert {char[ids[k]] for _, k in heads[2][first]} == {"1"} and {char[ids[k]] for _, k in heads[3][first]} == {"2"}
+    assert all(ids[k] not in digits for _, k in heads[2][second]) and {char[ids[k]] for _, k in heads[3][second]} == {"3"}
+    queries = [q for q, _ in heads[0]]
+    assert [char.get(ids[q + 1], "</s>") for q in queries] == ["1", "9", "</s>", "4", "2", "</s>"]
+    assert all([q for q, _ in h] == queries for h in heads)
+
+    padded = ids + [trainer.PAD] * 5
+    assert trainer.prev_targets(padded) == [(i, i - 1) for i in range(1, len(ids))]
+
+    for bad in (["--lookup-attn-tasks", "recall,sums"], ["--lookup-attn-tasks", ""],
+                ["--arith-attn-weight", "1", "--arith-attn-heads", "2,3"],
+                ["--prev-attn-weight", "1", "--prev-attn-layer", "9"], ["--arith-attn-weight", "-0.5"]):
+        with pytest.raises(SystemExit):
+            trainer.parse_args(bad)
+
+
 def test_trainer_lookup_attention_matches_the_models_own_attention():
     """The recomputed supervised scores are the layer's real attention (eager attention as reference)."""
     import random
@@ -145,7 +190,8 @@ def test_trainer_lookup_attention_matches_the_models_own_attention():
     torch.manual_seed(0)
     args = trainer.parse_args(["--hidden", "64", "--intermediate", "128", "--layers", "2", "--heads", "4",
                                "--kv-heads", "2", "--lookup-attn-weight", "1", "--lookup-attn-layer", "1",
-                               "--lookup-attn-heads", "1,2"])
+                               "--lookup-attn-heads", "1,2", "--key-attn-weight", "0", "--prev-attn-weight", "0",
+                               "--arith-attn-weight", "0"])
     model = trainer.build_model(trainer.build_config(args)).eval()
     lookup = trainer.SupervisedAttention(model, 1, [1, 2])
     cur = trainer.Curriculum(trainer.COPY_STEPS[-1], trainer.RECALL_STEPS[-1], recall_share=0.8)
