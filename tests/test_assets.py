@@ -158,7 +158,7 @@ def test_trainer_copy_operand_and_previous_token_targets():
     assert len(trainer.copy_targets(ids, spans, ("copy",))) == len("q7w2e9")
 
     heads = trainer.arith_targets(ids, spans)
-    assert [len(h) for h in heads] == [3 + 3] * 4  # "19</s>" and "42</s>": two digits and the </s>
+    assert [len(h) for h in heads] == [3 + 3] * 5  # "19</s>" and "42</s>": two digits and the </s>
     char = {i: t for t, i in trainer.CHAR_ID.items()}
     first, second = slice(0, 3), slice(3, 6)
     assert {char[ids[k]] for _, k in heads[1][first]} == {"7"} and {char[ids[k]] for _, k in heads[1][second]} == {"5"}
@@ -166,6 +166,7 @@ def test_trainer_copy_operand_and_previous_token_targets():
     assert all(ids[k] not in digits for _, k in heads[0][first])  # one-digit A: its "tens" is no digit
     assert {char[ids[k]] for _, k in heads[2][first]} == {"1"} and {char[ids[k]] for _, k in heads[3][first]} == {"2"}
     assert all(ids[k] not in digits for _, k in heads[2][second]) and {char[ids[k]] for _, k in heads[3][second]} == {"3"}
+    assert [char[ids[k]] for _, k in heads[4]] == ["+"] * 3 + ["-"] * 3
     queries = [q for q, _ in heads[0]]
     assert [char.get(ids[q + 1], "</s>") for q in queries] == ["1", "9", "</s>", "4", "2", "</s>"]
     assert all([q for q, _ in h] == queries for h in heads)
@@ -175,6 +176,7 @@ def test_trainer_copy_operand_and_previous_token_targets():
 
     for bad in (["--lookup-attn-tasks", "recall,sums"], ["--lookup-attn-tasks", ""],
                 ["--arith-attn-weight", "1", "--arith-attn-heads", "2,3"],
+                ["--arith-attn-weight", "1", "--arith-attn-heads", "1,2,3,4,5,6"],
                 ["--prev-attn-weight", "1", "--prev-attn-layer", "9"], ["--arith-attn-weight", "-0.5"]):
         with pytest.raises(SystemExit):
             trainer.parse_args(bad)
