@@ -171,13 +171,19 @@ def test_trainer_copy_operand_and_previous_token_targets():
     assert [char.get(ids[q + 1], "</s>") for q in queries] == ["1", "9", "</s>", "4", "2", "</s>"]
     assert all([q for q, _ in h] == queries for h in heads)
 
+    # --decay-from moves the start of the LR decay; before it the LR stays at its peak.
+    early = trainer.parse_args(["--decay-from", "0.6", "--total-steps", "1000"])
+    assert trainer.lr_at(599, early) == early.lr and trainer.lr_at(800, early) < early.lr
+    assert trainer.lr_at(799, trainer.parse_args(["--total-steps", "1000"])) == early.lr
+
     padded = ids + [trainer.PAD] * 5
     assert trainer.prev_targets(padded) == [(i, i - 1) for i in range(1, len(ids))]
 
     for bad in (["--lookup-attn-tasks", "recall,sums"], ["--lookup-attn-tasks", ""],
                 ["--arith-attn-weight", "1", "--arith-attn-heads", "2,3"],
                 ["--arith-attn-weight", "1", "--arith-attn-heads", "1,2,3,4,5,6"],
-                ["--prev-attn-weight", "1", "--prev-attn-layer", "9"], ["--arith-attn-weight", "-0.5"]):
+                ["--prev-attn-weight", "1", "--prev-attn-layer", "9"], ["--arith-attn-weight", "-0.5"],
+                ["--decay-from", "0"], ["--decay-from", "1.5"]):
         with pytest.raises(SystemExit):
             trainer.parse_args(bad)
 
