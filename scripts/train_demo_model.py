@@ -62,6 +62,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -555,6 +556,56 @@ class SupervisedAttention:
         return -logp[rows_t, :, qpos, kpos].mean()
 
 
+Targets = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """One supervised attention loss: its heads and, per row, one target list for each of them.
+
+    Most losses share one target list among a group of heads; the operand
+    heads each have their own (one SupervisedAttention per head).
+    """
+
+    name: str
+    weight: float
+    heads: list[SupervisedAttention]
+    targets: Callable[[list[int], list[tuple[str, int, int]]], list[Targets]]
+
+    def loss(self, rows: list[list[int]], spans: list[list[tuple[str, int, int]]]) -> torch.Tensor:
+        per_row = [self.targets(ids, row_spans) for ids, row_spans in zip(rows, spans)]
+        return sum(head.loss([t[i] for t in per_row]) for i, head in enumerate(self.heads)) / len(self.heads)
+
+
+def build_supervisions(model: torch.nn.Module, args: argparse.Namespace, reset_keys: bool) -> list[Supervision]:
+    """The supervised attention losses the flags switch on (weight > 0)."""
+    lookup_tasks = args.lookup_attn_tasks.split(",")
+    copy_tasks = tuple(t for t in lookup_tasks if t in COPY_TASKS)
+    out = []
+    if args.lookup_attn_weight > 0:
+        out.append(Supervision(
+            "lookup_attn", args.lookup_attn_weight,
+            [SupervisedAttention(model, args.lookup_attn_layer, _heads(args.lookup_attn_heads))],
+            lambda ids, spans: [(lookup_targets(ids, spans) if "recall" in lookup_tasks else [])
+                                + copy_targets(ids, spans, copy_tasks)]))
+    if args.key_attn_weight > 0:
+        key_heads = SupervisedAttention(model, args.key_attn_layer, _heads(args.key_attn_heads))
+        if reset_keys:
+            key_heads.reset_scores(torch.Generator().manual_seed(args.seed))
+        out.append(Supervision("key_attn", args.key_attn_weight, [key_heads],
+                               lambda ids, spans: [key_targets(ids, spans)]))
+    if args.prev_attn_weight > 0:
+        out.append(Supervision("prev_attn", args.prev_attn_weight,
+                               [SupervisedAttention(model, args.prev_attn_layer, _heads(args.prev_attn_heads))],
+                               lambda ids, spans: [prev_targets(ids)]))
+    if args.arith_attn_weight > 0:
+        out.append(Supervision("arith_attn", args.arith_attn_weight,
+                               [SupervisedAttention(model, args.arith_attn_layer, [h])
+                                for h in _heads(args.arith_attn_heads)],
+                               arith_targets))
+    return out
+
+
 # ---------------------------------------------------------------------------
 # Teacher-forced held-out evaluation (== greedy exact match, see module doc)
 # ---------------------------------------------------------------------------
@@ -1011,21 +1062,7 @@ def main() -> None:
 
     # The template rendering and encode() must agree token for token.
     tok = build_tokenizer()
-    lookup = None
-    if args.lookup_attn_weight > 0:
-        lookup = SupervisedAttention(model, args.lookup_attn_layer, _heads(args.lookup_attn_heads))
-    prev_heads = None
-    if args.prev_attn_weight > 0:
-        prev_heads = SupervisedAttention(model, args.prev_attn_layer, _heads(args.prev_attn_heads))
-    arith_heads = []
-    if args.arith_attn_weight > 0:
-        arith_heads = [SupervisedAttention(model, args.arith_attn_layer, [h]) for h in _heads(args.arith_attn_heads)]
-    lookup_tasks = tuple(t for t in args.lookup_attn_tasks.split(",") if t in COPY_TASKS)
-    key_heads = None
-    if args.key_attn_weight > 0:
-        key_heads = SupervisedAttention(model, args.key_attn_layer, _heads(args.key_attn_heads))
-        if args.key_attn_reset and not (args.resume and ckpt_path.exists()):
-            key_heads.reset_scores(torch.Generator().manual_seed(args.seed))
+    supervisions = build_supervisions(model, args, args.key_attn_reset and not (args.resume and ckpt_path.exists()))
     probe = sample_conversation(random.Random(0), Curriculum(32, 16), 400)
     clean = [{"role": m["role"], "content": m["content"]} for m in probe]
     rendered = tok.apply_chat_template(clean, tokenize=False)
@@ -1059,7 +1096,10 @@ def main() -> None:
     t_start = time.time() - (history[-1]["time_s"] if history else 0)
     t_run = time.time()
     t_ckpt = t_run
-    agg: dict[str, list[float]] = {"loss": [], "ntok": [], "attn": [], "key_attn": [], "prev_attn": [], "arith_attn": []}
+    def fresh_agg() -> dict[str, list[float]]:
+        return {"loss": [], "ntok": [], **{sup.name: [] for sup in supervisions}}
+
+    agg = fresh_agg()
     task_loss: dict[str, list[float]] = {t: [0.0, 0] for t in (*dt.TASKS, "skip")}
     t_log = time.time()
     model.train()
@@ -1085,26 +1125,11 @@ def main() -> None:
         ce = ce.view(ids.size(0), -1) * wts[:, 1:].to(args.device)
         n_turns = sum(len(s) for s in spans)
         loss = ce.sum() / n_turns  # mean over answer turns of the mean token CE
-        if lookup is not None:
-            attn_loss = lookup.loss([
-                (lookup_targets(ids[r].tolist(), row_spans) if "recall" in args.lookup_attn_tasks.split(",") else [])
-                + copy_targets(ids[r].tolist(), row_spans, lookup_tasks)
-                for r, row_spans in enumerate(spans)])
-            agg["attn"].append(float(attn_loss))
-            loss = loss + args.lookup_attn_weight * attn_loss
-        if key_heads is not None:
-            key_loss = key_heads.loss([key_targets(ids[r].tolist(), row_spans) for r, row_spans in enumerate(spans)])
-            agg["key_attn"].append(float(key_loss))
-            loss = loss + args.key_attn_weight * key_loss
-        if prev_heads is not None:
-            prev_loss = prev_heads.loss([prev_targets(ids[r].tolist()) for r in range(ids.size(0))])
-            agg["prev_attn"].append(float(prev_loss))
-            loss = loss + args.prev_attn_weight * prev_loss
-        if arith_heads:
-            per_row = [arith_targets(ids[r].tolist(), row_spans) for r, row_spans in enumerate(spans)]
-            arith_loss = sum(head.loss([t[h] for t in per_row]) for h, head in enumerate(arith_heads)) / len(arith_heads)
-            agg["arith_attn"].append(float(arith_loss))
-            loss = loss + args.arith_attn_weight * arith_loss
+        rows = ids.tolist()
+        for sup in supervisions:
+            sup_loss = sup.loss(rows, spans)
+            agg[sup.name].append(float(sup_loss))
+            loss = loss + sup.weight * sup_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -1125,11 +1150,9 @@ def main() -> None:
             log(f"step {step} loss {sum(agg['loss']) / len(agg['loss']):.4f} [{per_task}] lr {lr_at(step, args):.2e} "
                 f"tok/s {sum(agg['ntok']) / dt_s:.0f} cur copy<={cur.copy_max} recall<={cur.recall_max} "
                 f"long_row={cur.long_row}"
-                + "".join(f" {name} {sum(v) / len(v):.3f}" for name, v in (("lookup_attn", agg["attn"]),
-                                                                           ("key_attn", agg["key_attn"]),
-                                                                           ("prev_attn", agg["prev_attn"]),
-                                                                           ("arith_attn", agg["arith_attn"])) if v), logf)
-            agg = {"loss": [], "ntok": [], "attn": [], "key_attn": [], "prev_attn": [], "arith_attn": []}
+                + "".join(f" {sup.name} {sum(agg[sup.name]) / len(agg[sup.name]):.3f}"
+                          for sup in supervisions if agg[sup.name]), logf)
+            agg = fresh_agg()
             task_loss = {t: [0.0, 0] for t in (*dt.TASKS, "skip")}
             t_log = time.time()
 
