@@ -174,7 +174,7 @@ def test_trainer_copy_operand_and_previous_token_targets():
     # --decay-from moves the start of the LR decay; before it the LR stays at its peak.
     early = trainer.parse_args(["--decay-from", "0.6", "--total-steps", "1000"])
     assert trainer.lr_at(599, early) == early.lr and trainer.lr_at(800, early) < early.lr
-    assert trainer.lr_at(799, trainer.parse_args(["--total-steps", "1000"])) == early.lr
+    assert trainer.lr_at(799, trainer.parse_args(["--decay-from", "0.8", "--total-steps", "1000"])) == early.lr
 
     padded = ids + [trainer.PAD] * 5
     assert trainer.prev_targets(padded) == [(i, i - 1) for i in range(1, len(ids))]
@@ -186,6 +186,28 @@ def test_trainer_copy_operand_and_previous_token_targets():
                 ["--decay-from", "0"], ["--decay-from", "1.5"]):
         with pytest.raises(SystemExit):
             trainer.parse_args(bad)
+
+
+def test_trainer_resume_keeps_the_checkpoints_recipe(tmp_path):
+    """A resumed run is the same run: recipe flags come from the checkpoint, the rest from the command line."""
+    trainer = _load_trainer()
+    saved = vars(trainer.parse_args(["--recall-share", "0.3", "--copy-share", "0.15", "--arith-attn-heads",
+                                     "2,3,4,5,6", "--threads", "1"]))
+    del saved["decay_from"]  # a checkpoint older than --decay-from decayed from 0.8
+    args = trainer.parse_args(["--threads", "2", "--device", "cpu", "--max-minutes", "5"])
+    logf = tmp_path / "train.log"
+    trainer.restore_recipe(args, saved, logf)
+    assert (args.recall_share, args.copy_share, args.arith_attn_heads) == (0.3, 0.15, "2,3,4,5,6")
+    assert args.decay_from == 0.8
+    assert (args.threads, args.max_minutes) == (2, 5.0)  # not recipe: the command line wins
+    said = logf.read_text()
+    assert "--recall-share 0.2 (checkpoint: 0.3)" in said and "--decay-from 0.6 (checkpoint: 0.8)" in said
+    assert "--threads" not in said
+
+    # Nothing to say when the command line already is the checkpoint's recipe.
+    quiet = tmp_path / "quiet.log"
+    trainer.restore_recipe(trainer.parse_args([]), vars(trainer.parse_args([])), quiet)
+    assert not quiet.exists()
 
 
 def test_trainer_lookup_attention_matches_the_models_own_attention():
