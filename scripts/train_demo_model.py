@@ -668,13 +668,18 @@ def save_ckpt(path: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)  # atomic: a crash never leaves a half-written checkpoint
 
 
+def decay_start(args: argparse.Namespace) -> int:
+    """The step at which the LR starts decaying (and the decay-phase task shares apply)."""
+    return int(args.total_steps * args.decay_from)
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    decay_start = int(args.total_steps * args.decay_from)
-    if step < decay_start:
+    start = decay_start(args)
+    if step < start:
         return args.lr
-    t = (step - decay_start) / max(1, args.total_steps - decay_start)
+    t = (step - start) / max(1, args.total_steps - start)
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
@@ -907,10 +912,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recall-followup-prob", type=float, default=0.5,
                    help="chance that a recall turn gets 1-3 follow-up questions on its list")
     p.add_argument("--recall-followups-from", type=int, default=0, help="step from which they are added")
-    p.add_argument("--recall-share", type=float, default=0.2, help="fraction of recall turns (from the step below)")
+    p.add_argument("--recall-share", type=float, default=0.3, help="fraction of recall turns (from the step below)")
     p.add_argument("--recall-share-from", type=int, default=0, help="step from which it applies")
-    p.add_argument("--copy-share", type=float, default=0.1,
+    p.add_argument("--copy-share", type=float, default=0.15,
                    help="fraction of copy turns (default: arithmetic and copy keep their ratio)")
+    # Copy and recall need their turns early (the induction circuits); arithmetic
+    # mostly improves once the LR decays, so the decay phase gives it more turns.
+    p.add_argument("--decay-recall-share", type=float, default=0.2,
+                   help="fraction of recall turns once the LR decays (see --decay-from)")
+    p.add_argument("--decay-copy-share", type=float, default=0.1,
+                   help="fraction of copy turns once the LR decays")
     p.add_argument("--skip-share", type=float, default=0.15, help="fraction of auxiliary Skip: turns")
     p.add_argument("--recall-full-from", type=int, default=NEVER,
                    help="step from which recall lists use the full 2..16 range (ends its curriculum)")
@@ -969,7 +980,7 @@ def reproduce_command(args: dict[str, Any]) -> str:
 
 
 # Recipe flags newer than some checkpoints, with the value those runs used.
-_RECIPE_FALLBACKS = {"decay_from": 0.8}
+_RECIPE_FALLBACKS = {"decay_from": 0.8, "decay_recall_share": None, "decay_copy_share": None}
 
 
 def restore_recipe(args: argparse.Namespace, saved: dict[str, Any], logf: Path | None) -> None:
@@ -997,10 +1008,15 @@ def _heads(flag: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.eval_n < 3:  # the multi-turn eval set takes eval_n // 3 questions per task
+        parser.error(f"--eval-n {args.eval_n} must be >= 3")
     if not 0.0 < args.decay_from <= 1.0:
         parser.error(f"--decay-from {args.decay_from} must be in (0, 1]")
     if args.copy_share is not None and not (0.0 <= args.copy_share <= 1.0 - args.recall_share):
         parser.error(f"--copy-share {args.copy_share} must be in [0, 1 - --recall-share]")
+    if not (0.0 <= args.decay_recall_share <= 1.0 and 0.0 <= args.decay_copy_share <= 1.0 - args.decay_recall_share):
+        parser.error(f"--decay-recall-share {args.decay_recall_share} and --decay-copy-share {args.decay_copy_share} "
+                     "must be >= 0 with a sum <= 1")
     bad = set(args.lookup_attn_tasks.split(",")) - {"recall", *COPY_TASKS}
     if bad or not args.lookup_attn_tasks:
         parser.error(f"--lookup-attn-tasks {args.lookup_attn_tasks!r}: each must be one of recall, copy, arithmetic")
@@ -1134,6 +1150,9 @@ def main() -> None:
         if step >= args.recall_share_from:
             cur.recall_share = args.recall_share
             cur.copy_share = args.copy_share
+        if args.decay_recall_share is not None and step >= decay_start(args):  # None: a checkpoint from before
+            cur.recall_share = args.decay_recall_share
+            cur.copy_share = args.decay_copy_share
         if step >= args.skip_from:
             cur.skip_share = args.skip_share
         if step >= args.recall_full_from:

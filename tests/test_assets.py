@@ -183,7 +183,8 @@ def test_trainer_copy_operand_and_previous_token_targets():
                 ["--arith-attn-weight", "1", "--arith-attn-heads", "2,3"],
                 ["--arith-attn-weight", "1", "--arith-attn-heads", "1,2,3,4,5,6"],
                 ["--prev-attn-weight", "1", "--prev-attn-layer", "9"], ["--arith-attn-weight", "-0.5"],
-                ["--decay-from", "0"], ["--decay-from", "1.5"]):
+                ["--decay-from", "0"], ["--decay-from", "1.5"], ["--eval-n", "2"],
+                ["--decay-recall-share", "0.7", "--decay-copy-share", "0.4"], ["--decay-copy-share", "-0.1"]):
         with pytest.raises(SystemExit):
             trainer.parse_args(bad)
 
@@ -191,23 +192,61 @@ def test_trainer_copy_operand_and_previous_token_targets():
 def test_trainer_resume_keeps_the_checkpoints_recipe(tmp_path):
     """A resumed run is the same run: recipe flags come from the checkpoint, the rest from the command line."""
     trainer = _load_trainer()
-    saved = vars(trainer.parse_args(["--recall-share", "0.3", "--copy-share", "0.15", "--arith-attn-heads",
+    saved = vars(trainer.parse_args(["--recall-share", "0.4", "--copy-share", "0.2", "--arith-attn-heads",
                                      "2,3,4,5,6", "--threads", "1"]))
-    del saved["decay_from"]  # a checkpoint older than --decay-from decayed from 0.8
+    # A checkpoint older than --decay-from decayed from 0.8, with no decay-phase shares.
+    for newer in ("decay_from", "decay_recall_share", "decay_copy_share"):
+        del saved[newer]
     args = trainer.parse_args(["--threads", "2", "--device", "cpu", "--max-minutes", "5"])
     logf = tmp_path / "train.log"
     trainer.restore_recipe(args, saved, logf)
-    assert (args.recall_share, args.copy_share, args.arith_attn_heads) == (0.3, 0.15, "2,3,4,5,6")
-    assert args.decay_from == 0.8
+    assert (args.recall_share, args.copy_share, args.arith_attn_heads) == (0.4, 0.2, "2,3,4,5,6")
+    assert (args.decay_from, args.decay_recall_share, args.decay_copy_share) == (0.8, None, None)
     assert (args.threads, args.max_minutes) == (2, 5.0)  # not recipe: the command line wins
     said = logf.read_text()
-    assert "--recall-share 0.2 (checkpoint: 0.3)" in said and "--decay-from 0.6 (checkpoint: 0.8)" in said
+    assert "--recall-share 0.3 (checkpoint: 0.4)" in said and "--decay-from 0.6 (checkpoint: 0.8)" in said
     assert "--threads" not in said
 
     # Nothing to say when the command line already is the checkpoint's recipe.
     quiet = tmp_path / "quiet.log"
     trainer.restore_recipe(trainer.parse_args([]), vars(trainer.parse_args([])), quiet)
     assert not quiet.exists()
+
+
+def test_trainer_tiny_run_switches_shares_at_the_decay_resumes_and_exports(tmp_path):
+    """A real (tiny) run: stopped by --max-minutes, resumed with its own recipe, decay-phase shares, export."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    tiny = ["--threads", "1", "--hidden", "32", "--intermediate", "64", "--layers", "4", "--heads", "8",
+            "--kv-heads", "4", "--tokens-per-step", "512", "--short-row", "128", "--eval-every", "2",
+            "--eval-n", "3", "--final-eval-n", "2", "--ckpt-dir", str(ckpt), "--out", str(out)]
+    first = subprocess.run([sys.executable, str(script), *tiny, "--total-steps", "6", "--decay-from", "0.5",
+                            "--max-minutes", "0.0001"], capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "--max-minutes reached at step 1" in first.stdout and not out.exists()
+
+    # The resume names another recipe on its command line: the checkpoint's wins, and the log says so.
+    second = subprocess.run([sys.executable, str(script), *tiny, "--resume", "--recall-share", "0.5"],
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    log = (ckpt / "train.log").read_text()
+    assert "ignored: --total-steps 5000 (checkpoint: 6), --decay-from 0.6 (checkpoint: 0.5)" in log
+    assert "--recall-share 0.5 (checkpoint: 0.3)" in log
+    evals = [line for line in log.splitlines() if "eval step" in line]
+    assert [line.split("eval step ")[1].split()[0] for line in evals] == ["2", "4", "6"]
+    # Steps 0-2 use the main shares, steps from the decay start (step 3) the decay-phase ones.
+    assert "recall_share=0.3, copy_share=0.15" in evals[0]
+    assert "recall_share=0.2, copy_share=0.1" in evals[1] and "recall_share=0.2, copy_share=0.1" in evals[2]
+
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["hidden_size"] == 32 and (out / "model.safetensors").exists()
+    readme = (out / "README.md").read_text()
+    assert "Trained for 6 steps" in readme and "--decay-from 0.5" in readme and "Status: below the bars" in readme
 
 
 def test_trainer_lookup_attention_matches_the_models_own_attention():
