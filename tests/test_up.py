@@ -26,10 +26,18 @@ def test_up_bad_flags_name_the_flag():
         assert r.returncode == 2 and flag in r.stderr, (argv, r.stderr)
 
 
-def test_up_serves_chat_and_ctrl_c_stops_everything():
+def _wait_all_gone(children: list[psutil.Process], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
+        assert time.monotonic() < deadline, [c.cmdline() for c in children if c.is_running()]
+        time.sleep(0.2)
+
+
+def test_up_serves_chat_and_ctrl_c_stops_everything(tmp_path):
     port = free_port()
+    stderr = (tmp_path / "stderr").open("w")  # what `up` and its servers said, for a failure's message
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "up", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines: list[str] = []
     ready = threading.Event()
 
@@ -54,11 +62,32 @@ def test_up_serves_chat_and_ctrl_c_stops_everything():
         assert out.choices[0].message.content == "abcdefgh"
         proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to it
         assert proc.wait(60) == 0
-        deadline = time.monotonic() + 20
-        while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
-            assert time.monotonic() < deadline, [c.cmdline() for c in children if c.is_running()]
-            time.sleep(0.2)
+        assert "pdserve up: stopping" in "".join(lines)
+        _wait_all_gone(children, 20)
     finally:
         if proc.poll() is None:
             proc.kill()
-            pytest.fail("pdserve up did not stop")
+            pytest.fail("pdserve up did not stop; its stderr ends:\n" + (tmp_path / "stderr").read_text()[-3000:])
+
+
+def test_up_ctrl_c_while_starting_stops_everything():
+    """Ctrl-C before the servers are healthy stops the startup and every process already started."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "up", "--port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        children: list[psutil.Process] = []
+        while len(children) < 2:  # both servers spawned, neither healthy yet (loading takes seconds)
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+            children = [c for c in psutil.Process(proc.pid).children()
+                        if "pdserve.launch_server" in " ".join(c.cmdline())]
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "pdserve up: stopping" in out and "ready at" not in out, out
+        _wait_all_gone(children, 20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            pytest.fail("pdserve up did not stop while starting")
