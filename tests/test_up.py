@@ -35,9 +35,9 @@ def _wait_all_gone(children: list[psutil.Process], seconds: float) -> None:
 
 def test_up_serves_chat_and_ctrl_c_stops_everything(tmp_path):
     port = free_port()
-    stderr = (tmp_path / "stderr").open("w")  # what `up` and its servers said, for a failure's message
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "up", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=stderr, text=True)
+    with (tmp_path / "stderr").open("w") as stderr:  # what `up` and its servers said, for a failure's message
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "up", "--port", str(port)],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines: list[str] = []
     ready = threading.Event()
 
