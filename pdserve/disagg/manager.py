@@ -9,7 +9,13 @@ record.  Schedulers call the non-blocking methods (``send`` / ``finish`` /
 
 Failures are per room and always carry a reason: a write error fails that room
 only; a peer that misses heartbeats fails every room it was part of; an
-exception in a handler is logged and fails what it touched, never the thread.
+exception in a handler is logged and fails the room its message named (both
+sides hear of it), never the thread.
+
+Page safety across a failure: decode keeps a failed room's pages out of use
+until every prefill rank that could still write into them said ``WritesDone``
+(sent only once that rank's transfer thread has no write for the room queued
+or running) or died. An ``Abort`` only says the room failed.
 """
 
 from __future__ import annotations
@@ -179,6 +185,23 @@ class _Side:
             self._rooms.pop(room, None)
         self.rooms.close_if_ended(room)
 
+    def _receive(self, msg: Any) -> None:
+        """The I/O thread's entry: a handler that raises fails the room its message
+        named (and tells the peer), never the thread."""
+        try:
+            self._on_message(msg)
+        except Exception as exc:
+            logger.exception("error handling %s", type(msg).__name__)
+            room = getattr(msg, "room", None)
+            if isinstance(room, int):
+                self._fail_touched(room, msg, f"internal error handling {type(msg).__name__}: {exc}")
+
+    def _on_message(self, msg: Any) -> None:
+        raise NotImplementedError
+
+    def _fail_touched(self, room: int, msg: Any, reason: str) -> None:
+        raise NotImplementedError
+
 
 # ---------------------------------------------------------------------------
 # Prefill side
@@ -202,6 +225,7 @@ class _PrefillRoom:
     record: P.HandoffRecord | None = None  # set by finish(); sent once pending == 0
     bytes_sent: int = 0
     acked: bool = False                    # decode told that no write is left in flight
+    released: bool = False                 # the scheduler is done; drop once pending == 0
 
 
 class PrefillTransferManager(_Side):
@@ -223,7 +247,7 @@ class PrefillTransferManager(_Side):
         self._work: queue.Queue[tuple[str, int, Any] | None] = queue.Queue()
         self.bytes_sent = 0
         self.transfer_seconds = 0.0
-        self._link = _Link(host, f"prefill{tp_rank}", cfg, self._on_message, self._on_peer_dead)
+        self._link = _Link(host, f"prefill{tp_rank}", cfg, self._receive, self._on_peer_dead)
         self._worker = threading.Thread(target=self._transfer_loop, name=f"prefill{tp_rank}-xfer", daemon=True)
         self._worker.start()
 
@@ -243,31 +267,56 @@ class PrefillTransferManager(_Side):
             self._transfer_request(msg)
         elif isinstance(msg, P.Abort):
             self.rooms.fail(msg.room, f"aborted by decode: {msg.reason}", "aborted")
-            self._ack_abort_if_idle(msg.room)
+            self._ack_if_idle(msg.room)
 
-    def _ack_abort_if_idle(self, room: int) -> None:
-        """Tell decode a failed room's pages are safe to reuse: no write of ours is
-        queued or running any more (an Abort from prefill is that acknowledgement)."""
+    def _fail_touched(self, room: int, msg: Any, reason: str) -> None:
+        if self.rooms.fail(room, reason, "internal_error"):
+            self._tell(room, P.Abort(room, reason))
+        if isinstance(msg, P.TransferRequest):  # its sender may not be among the room's peers yet
+            with self._lock:
+                peer = self._peers.get(msg.decode_id)
+                known = msg.room in self._rooms and msg.decode_id in self._rooms[msg.room].requests
+            if peer is not None and not known:
+                self._link.send(peer.handshake.control_addr, P.Abort(room, reason))
+                self._link.send(peer.handshake.control_addr, P.WritesDone(room, self._link.addr))
+        self._ack_if_idle(room)
+
+    def _ack_if_idle(self, room: int, pr: _PrefillRoom | None = None) -> None:
+        """Tell decode a failed room's pages are safe to reuse once no write of ours
+        is queued or running for it any more (WritesDone; an Abort is no such word)."""
         with self._lock:
-            pr = self._rooms.get(room)
+            pr = pr if pr is not None else self._rooms.get(room)
             if pr is None or pr.pending or pr.acked:
                 return
+            if self.status(room)[0] is not RoomState.FAILED:
+                return
             pr.acked = True
-        state, reason = self.status(room)
-        if state is RoomState.FAILED:
-            self._tell(room, P.Abort(room, reason or "failed"))
+        self._tell(room, P.WritesDone(room, self._link.addr), pr)
 
-    def _destinations(self, room: int) -> list[tuple[_DecodePeer, P.TransferRequest]]:
+    def _destinations(self, room: int, pr: _PrefillRoom | None = None
+                      ) -> list[tuple[_DecodePeer, P.TransferRequest]]:
         """The decode ranks of a room that are still connected, with their requests."""
         with self._lock:
-            pr = self._rooms.get(room)
+            pr = pr if pr is not None else self._rooms.get(room)
             if pr is None:
                 return []
             return [(self._peers[d], req) for d, req in pr.requests.items() if d in self._peers]
 
-    def _tell(self, room: int, msg: Any) -> None:
-        for peer, _ in self._destinations(room):
+    def _tell(self, room: int, msg: Any, pr: _PrefillRoom | None = None) -> None:
+        for peer, _ in self._destinations(room, pr):
             self._link.send(peer.handshake.control_addr, msg)
+
+    def release(self, room: int) -> None:
+        """The scheduler is done with a room. A room whose writes are still queued or
+        running stays known to the transfer thread until they return (it then says
+        WritesDone for a failed room: decode waits for that before reusing pages)."""
+        with self._lock:
+            pr = self._rooms.get(room)
+            if pr is not None and pr.pending:
+                pr.released = True
+            else:
+                self._rooms.pop(room, None)
+        self.rooms.close_if_ended(room)
 
     def _handshake(self, hs: P.Handshake) -> None:
         try:
@@ -363,12 +412,14 @@ class PrefillTransferManager(_Side):
     def abort(self, room: int, reason: str) -> None:
         if self.rooms.fail(room, reason, "aborted"):
             self._tell(room, P.Abort(room, reason))
+        self._ack_if_idle(room)
 
     def expire(self) -> list[int]:
         """Fail rooms past their deadline; tell their decode servers."""
         failed = self.rooms.expire()
         for r in failed:
             self._tell(r.room, P.Abort(r.room, r.reason or "timeout"))
+            self._ack_if_idle(r.room)
         return [r.room for r in failed]
 
     # ---- transfer thread ------------------------------------------------------------
@@ -386,7 +437,7 @@ class PrefillTransferManager(_Side):
             except Exception as exc:  # fail the room, keep the thread
                 logger.exception("room %d: transfer failed", room)
                 self.rooms.fail(room, f"KV transfer failed: {exc}", "transfer_error")
-                self._notify_failure(room, f"KV transfer failed: {exc}")
+                self._tell(room, P.Abort(room, f"KV transfer failed: {exc}"))
 
     def _write(self, room: int, src_slots: list[int], first: int) -> None:
         with self._lock:
@@ -417,9 +468,12 @@ class PrefillTransferManager(_Side):
         finally:
             with self._lock:
                 pr.pending -= 1
+                drained = pr.released and not pr.pending
+                if drained and self._rooms.get(room) is pr:
+                    del self._rooms[room]
             self._maybe_send_record(room)
-            if self.status(room)[0] is RoomState.FAILED:
-                self._ack_abort_if_idle(room)
+            if self.status(room)[0] is RoomState.FAILED or drained:
+                self._ack_if_idle(room, pr)
 
     def _finish(self, room: int, record: P.HandoffRecord) -> None:
         with self._lock:
@@ -441,9 +495,6 @@ class PrefillTransferManager(_Side):
             return  # a decode rank went away: the room fails through its heartbeat
         self._tell(room, P.HandoffRecord(**{**record.__dict__, "sender": self._link.addr}))
         self.rooms.advance(room, RoomState.SUCCESS)
-
-    def _notify_failure(self, room: int, reason: str) -> None:
-        self._tell(room, P.Abort(room, reason))
 
     def close(self) -> None:
         self._work.put(None)
@@ -485,7 +536,7 @@ class DecodeTransferManager(_Side):
         self._connected: dict[str, list[_PrefillPeer]] = {}   # bootstrap url -> prefill ranks
         self._attempts: dict[str, tuple[str, str]] = {}        # bootstrap url -> (state, failure reason)
         self._lock = threading.Lock()
-        self._link = _Link(host, f"decode{tp_rank}", cfg, self._on_message, self._on_peer_dead)
+        self._link = _Link(host, f"decode{tp_rank}", cfg, self._receive, self._on_peer_dead)
 
     def request_connect(self, bootstrap_url: str, fetch_ranks: Callable[[], Sequence[P.RankInfo]]) -> None:
         """Start connecting to a prefill server in the background (the scheduler loop
@@ -572,11 +623,18 @@ class DecodeTransferManager(_Side):
 
     def abort(self, room: int, reason: str) -> None:
         if self.rooms.fail(room, reason, "aborted"):
-            with self._lock:
-                dr = self._rooms.get(room)
-                senders = list(dr.senders) if dr else []
-            for addr in senders:
-                self._link.send(addr, P.Abort(room, reason))
+            self._tell_senders(room, P.Abort(room, reason))
+
+    def _tell_senders(self, room: int, msg: Any) -> None:
+        with self._lock:
+            dr = self._rooms.get(room)
+            senders = list(dr.senders) if dr else []
+        for addr in senders:
+            self._link.send(addr, msg)
+
+    def _fail_touched(self, room: int, msg: Any, reason: str) -> None:
+        if self.rooms.fail(room, reason, "internal_error"):
+            self._tell_senders(room, P.Abort(room, reason))
 
     def safe_to_free(self, room: int) -> bool:
         """Whether no prefill write can still land in the room's pages: it succeeded,
@@ -589,7 +647,12 @@ class DecodeTransferManager(_Side):
             return dr is None or dr.senders <= dr.quiet
 
     def expire(self) -> list[int]:
-        return [r.room for r in self.rooms.expire()]
+        """Fail rooms past their deadline and tell their prefill ranks, whose
+        WritesDone then frees the pages."""
+        failed = self.rooms.expire()
+        for r in failed:
+            self._tell_senders(r.room, P.Abort(r.room, r.reason or "timeout"))
+        return [r.room for r in failed]
 
     # ---- I/O thread -------------------------------------------------------------------
     def _on_message(self, msg: Any) -> None:
@@ -614,10 +677,11 @@ class DecodeTransferManager(_Side):
                 self.rooms.advance(msg.room, RoomState.SUCCESS, only_from=RoomState.TRANSFERRING)
         elif isinstance(msg, P.Abort):
             self.rooms.fail(msg.room, f"prefill failed the request: {msg.reason}", "prefill_error")
+        elif isinstance(msg, P.WritesDone):
             with self._lock:
                 dr = self._rooms.get(msg.room)
-                if dr is not None:
-                    dr.quiet |= dr.senders  # every prefill rank answers for its own writes
+                if dr is not None and msg.sender in dr.senders:
+                    dr.quiet.add(msg.sender)  # each prefill rank answers for its own writes only
 
     def _on_peer_dead(self, addr: str) -> None:
         with self._lock:

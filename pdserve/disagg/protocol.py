@@ -90,8 +90,19 @@ class HandoffRecord:
 
 @dataclass(frozen=True)
 class Abort:
+    """Either side: the room failed (the reason reaches the client). It says nothing
+    about writes still in flight: see WritesDone."""
     room: int
     reason: str
+
+
+@dataclass(frozen=True)
+class WritesDone:
+    """Prefill rank -> decode, for a failed room: this sender's last write into the
+    room's pages has returned and none will follow, so decode may reuse them. Sent
+    per sender, only after its transfer thread drained the room's queued writes."""
+    room: int
+    sender: str          # the prefill rank's control address
 
 
 @dataclass(frozen=True)
@@ -101,9 +112,10 @@ class Heartbeat:
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
-    RankInfo, Handshake, HandshakeReply, TransferRequest, SpecHandoff, HandoffRecord, Abort, Heartbeat,
+    RankInfo, Handshake, HandshakeReply, TransferRequest, SpecHandoff, HandoffRecord, Abort, WritesDone, Heartbeat,
     CompatRecord, KVLayout, BufferSpec, HeadRange)}
-_TOP_LEVEL = ("RankInfo", "Handshake", "HandshakeReply", "TransferRequest", "HandoffRecord", "Abort", "Heartbeat")
+_TOP_LEVEL = ("RankInfo", "Handshake", "HandshakeReply", "TransferRequest", "HandoffRecord", "Abort", "WritesDone",
+              "Heartbeat")
 
 
 def _to_plain(obj: Any) -> Any:

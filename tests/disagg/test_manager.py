@@ -197,3 +197,78 @@ def test_rooms_time_out_with_a_reason(pair):
     assert wait_for(lambda: bool(dec.expire()), timeout=4)
     state, _, reason = dec.poll(9)
     assert state is RoomState.FAILED and "waiting_for_input exceeded its 2 s deadline" in reason
+
+
+class BlockingEngine(LocalTransfer):
+    """A transfer engine whose writes wait until the test lets them go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def write(self, peer_session, batch):
+        self.entered.set()
+        assert self.go.wait(10), "the test never released the write"
+        super().write(peer_session, batch)
+
+
+@pytest.mark.parametrize("how", ["abort", "expire", "release"])
+def test_prefill_side_failure_keeps_decode_pages_until_the_write_returned(how):
+    """A failure prefill starts (a client abort of the prefill leg, a deadline) while its
+    transfer thread is inside a write for the room: decode hears of the failure at once,
+    but may reuse the room's pages only after that write has returned, told by a message
+    from that sender; an Abort is no such acknowledgement."""
+    src, src_layout = buffers()
+    dst, dst_layout = buffers(0.0)
+    engine = BlockingEngine()
+    cfg = FAST if how != "expire" else LinkConfig(heartbeat_interval_s=0.1, heartbeat_misses=30, handshake_timeout_s=3,
+                                                  deadlines=Deadlines(bootstrapping=2, waiting_for_input=2,
+                                                                      transferring=0.5))
+    pre = PrefillTransferManager(engine, COMPAT, src_layout, 0, None, cfg=cfg)
+    dec = DecodeTransferManager(LocalTransfer(), COMPAT, dst_layout, 0, 1, ["target.L0.K", "target.L0.V"], cfg=FAST)
+    try:
+        peers = dec.connect("b", [pre.rank_info(1, "127.0.0.1")])
+        pre.open(11)
+        dec.add_room(11, peers, dst_slots=[20, 21, 22])
+        assert wait_for(lambda: pre.ready(11))
+        pre.send(11, [0, 1, 2], 0)
+        assert engine.entered.wait(5)
+        if how == "expire":
+            assert wait_for(lambda: bool(pre.expire()), timeout=5)
+        else:
+            pre.abort(11, "aborted by the client")
+        if how == "release":  # the prefill scheduler forgets the room at once
+            pre.release(11)
+        assert wait_for(lambda: dec.poll(11)[0] is RoomState.FAILED)
+        time.sleep(0.3)  # let any (wrong) acknowledgement arrive
+        assert not dec.safe_to_free(11), "decode pages freed while prefill's write is in flight"
+        engine.go.set()
+        assert wait_for(lambda: dec.safe_to_free(11)), "the write returned but decode was never told"
+    finally:
+        engine.go.set()
+        dec.close()
+        pre.close()
+
+
+def test_a_failing_message_handler_fails_the_room_it_touched(pair):
+    """An exception while handling a message fails the room the message named (on both
+    sides: the peer is told), and the I/O thread keeps serving other rooms."""
+    pre, dec, peers, src, dst = pair
+
+    def broken(msg):
+        if msg.room == 12:
+            raise RuntimeError("handler bug")
+        return original(msg)
+    original = pre._transfer_request
+    pre._transfer_request = broken
+    pre.open(12)
+    dec.add_room(12, peers, dst_slots=[1, 2])
+    assert wait_for(lambda: pre.status(12)[0] is RoomState.FAILED)
+    assert "handler bug" in pre.status(12)[1]
+    assert wait_for(lambda: dec.poll(12)[0] is RoomState.FAILED)
+    assert "handler bug" in dec.poll(12)[2]
+    pre.open(13)
+    dec.add_room(13, peers, dst_slots=[3])
+    assert wait_for(lambda: pre.ready(13))
