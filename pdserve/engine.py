@@ -20,9 +20,11 @@ from pdserve.config import ConfigError, ServerArgs
 from pdserve.model.model_config import ModelConfig
 from pdserve.model.parallel import TPGroup
 from pdserve.requests import RequestBuilder
-from pdserve.scheduler.req import FinishKind, Req
+from pdserve.scheduler.messages import Command, NewRequest
+from pdserve.scheduler.req import Req, samples_from_message
 from pdserve.scheduler.scheduler import Scheduler
-from pdserve.scheduler.worker import Command, PipeIO, build_scheduler, free_tcp_port, run_rank
+from pdserve.scheduler.worker import PipeIO, build_scheduler, free_tcp_port, run_rank
+from pdserve.server.results import SampleOutput, native_result
 from pdserve.tokenizer import load_tokenizer, trim_at_stop
 
 
@@ -134,21 +136,20 @@ class Engine:
         b = self.builder
         prompts, single = b.token_ids(prompt, input_ids)
         params = b.sampling_params(sampling_params, len(prompts))
-        b.check_logprob_args(return_logprob, top_logprobs_num)
-        for ids, p in zip(prompts, params):
-            b.check_lengths(ids, p)
-        groups = [b.group(ids, p, return_logprob, top_logprobs_num) for ids, p in zip(prompts, params)]
-        finished = self._run([g[0] for g in groups], sum(len(g) for g in groups))
-        results = [self._result(finished[(req.rid, req.sample_index)]) for g in groups for req in g]
+        requests = b.build(prompts, params, return_logprob, top_logprobs_num)
+        finished = self._run(requests)
+        results = [self._result(finished[(m.rid, j)]) for m in requests for j in range(m.params.n)]
         if single:
             return results[0] if len(results) == 1 else results
         return results
 
-    def _run(self, heads: list[Req], total: int) -> dict[tuple[str, int], Req]:
+    def _run(self, requests: list[NewRequest]) -> dict[tuple[str, int], Req]:
+        """Every sample of `requests`, finished, by (rid, sample index)."""
+        total = sum(m.params.n for m in requests)
         done: dict[tuple[str, int], Req] = {}
         if self._scheduler is not None:
-            for req in heads:
-                self._scheduler.add(req)
+            for m in requests:
+                self._scheduler.add(samples_from_message(m)[0])
             while len(done) < total:
                 out = self._scheduler.step()
                 for r in out.finished:
@@ -156,7 +157,7 @@ class Engine:
                 if not self._scheduler.has_work and len(done) < total:
                     raise RuntimeError("scheduler went idle with requests unfinished")
             return done
-        self._conn.send(Command(add=tuple(heads)))
+        self._conn.send(Command(add=tuple(requests)))
         while len(done) < total:
             kind, payload = self._recv()
             if kind == "finished":
@@ -169,26 +170,7 @@ class Engine:
         p = req.params
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
         matched = req.finish.matched if isinstance(req.finish.matched, str) else None
-        text = trim_at_stop(text, matched, p.no_stop_trim)
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finish.to_dict(),
-            "retractions": req.retractions,
-        }
-        if req.spec_verify_ct:
-            meta["spec_verify_ct"] = req.spec_verify_ct
-            meta["spec_accepted_drafts"] = req.spec_accepted_drafts
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(req.output_logprobs, req.output_ids)]
-            if req.top_logprobs_num:
-                meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in step]
-                                               for step in req.output_top_logprobs]
-        if req.finish.kind is FinishKind.LENGTH:
-            meta["finish_reason"]["length"] = len(req.output_ids)
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+        return native_result(SampleOutput.of_req(req, trim_at_stop(text, matched, p.no_stop_trim)))
 
     # ---- inspection -------------------------------------------------------------------
     def flush_cache(self) -> bool:

@@ -1,17 +1,45 @@
-"""From user input to scheduler requests: validation and sample groups.
+"""From user input to scheduler messages: validation and sample groups.
 
 Shared by the offline Engine and the HTTP server, so both refuse the same
-inputs with the same messages (each names the offending field).
+inputs with the same messages. Every message names the offending field as the
+caller's API spells it (`ApiFields`): `max_tokens` on the OpenAI routes,
+`max_new_tokens` on /generate and the Engine.
+
+Where each kind of check happens (HTTP server; the Engine enters at 3):
+1. `server/protocol.py`: the JSON shape, types and unknown fields (pydantic), and
+   fields that would change results but are not implemented (`refuse_unsupported`).
+2. The route (`server/openai_routes.py`, `server/native_routes.py`): rules of one API
+   (model name, logprobs ranges, echo, prompt logprobs, the chat template) and the
+   OpenAI token budget in its own names (`check_new_tokens`).
+3. Here: prompts, sampling parameters (`SamplingParams` checks its own ranges), the
+   `--max-n` limit, logprob arguments, lengths against the context, rids and the
+   disaggregation addresses; the result is one `NewRequest` per prompt.
+4. `TokenizerManager.submit`: only what depends on the server's state (alive, rid
+   not already in flight).
+5. The scheduler: what only it can know (a room in use, an unreachable prefill
+   server); such a request finishes aborted with the reason.
 """
 
 from __future__ import annotations
 
 import random
 import uuid
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.req import Req
+from pdserve.sampling_params import MAX_NEW_TOKENS, SamplingParams
+from pdserve.scheduler.messages import Bootstrap, NewRequest
+
+
+
+@dataclass(frozen=True)
+class ApiFields:
+    """How the calling API names the fields that validation messages mention."""
+    max_new_tokens: str = "max_new_tokens"
+    min_new_tokens: str = "min_new_tokens"
+
+
+NATIVE_FIELDS = ApiFields()
 
 
 def sample_seed(base: int, index: int) -> int:
@@ -75,20 +103,15 @@ class RequestBuilder:
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != n_prompts:
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {n_prompts} prompts")
-            params = [SamplingParams.from_dict(p) for p in sampling_params]
-        else:
-            params = [SamplingParams.from_dict(sampling_params)] * n_prompts
-        for p in params:
-            if p.n > self.max_n:
-                raise ValueError(f"n: {p.n} is above the limit {self.max_n} (--max-n)")
-        return params
+            return [SamplingParams.from_dict(p) for p in sampling_params]
+        return [SamplingParams.from_dict(sampling_params)] * n_prompts
 
-    def check_lengths(self, ids: list[int], p: SamplingParams, max_tokens_field: str = "max_new_tokens"
-                      ) -> None:
+    def check_lengths(self, ids: Sequence[int], p: SamplingParams, names: ApiFields = NATIVE_FIELDS) -> None:
         if len(ids) >= self.context_len:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit the context length {self.context_len}")
+        field_name = names.max_new_tokens
         if len(ids) + p.max_new_tokens > self.context_len:
-            raise ValueError(f"{max_tokens_field}: prompt ({len(ids)} tokens) + {max_tokens_field} "
+            raise ValueError(f"{field_name}: prompt ({len(ids)} tokens) + {field_name} "
                              f"({p.max_new_tokens}) exceeds the context length {self.context_len}")
 
     @staticmethod
@@ -99,17 +122,83 @@ class RequestBuilder:
                 or not 0 <= top_logprobs_num <= 20:
             raise ValueError(f"top_logprobs_num: must be an integer in [0, 20], got {top_logprobs_num!r}")
 
-    def group(self, ids: list[int], p: SamplingParams, return_logprob: bool, top_logprobs_num: int,
-              rid: str | None = None) -> list[Req]:
-        """The n samples of one prompt; samples 2..n are forked from the first after prefill."""
-        rid = rid or uuid.uuid4().hex
+    def build(self, prompts: list[list[int]], params: list[SamplingParams], return_logprob: Any,
+              top_logprobs_num: Any, rids: list[str] | None = None,
+              bootstrap: list[tuple[Bootstrap, ...]] | None = None, names: ApiFields = NATIVE_FIELDS
+              ) -> list[NewRequest]:
+        """Check what the prompts ask for as a whole and build one message per prompt.
+        ``bootstrap``: per prompt, one address per sample (see `bootstrap_addresses`)."""
+        for p in params:
+            if p.n > self.max_n:
+                raise ValueError(f"n: {p.n} is above the limit {self.max_n} (--max-n)")
+        self.check_logprob_args(return_logprob, top_logprobs_num)
+        for ids, p in zip(prompts, params):
+            self.check_lengths(ids, p, names)
+        if rids is not None and (len(rids) != len(prompts) or len(set(rids)) != len(rids)):
+            raise ValueError("rid: one distinct rid per prompt is required")
+        return [self.group(ids, p, return_logprob, top_logprobs_num, rid=rids[i] if rids else None,
+                           bootstrap=bootstrap[i] if bootstrap is not None else None)
+                for i, (ids, p) in enumerate(zip(prompts, params))]
+
+    def group(self, ids: Sequence[int], p: SamplingParams, return_logprob: bool, top_logprobs_num: int,
+              rid: str | None = None, bootstrap: tuple[Bootstrap, ...] | None = None) -> NewRequest:
+        """The message for the n samples of one prompt (samples 2..n are forked from the
+        first after prefill); unchecked: `build` is the validating entry point."""
         base = p.seed if p.seed is not None else self._rng.getrandbits(63)
-        samples = [Req(rid=rid, prompt_ids=list(ids), params=p, seed=sample_seed(base, j),
-                       return_logprob=return_logprob or top_logprobs_num > 0,
-                       top_logprobs_num=top_logprobs_num, sample_index=j) for j in range(p.n)]
-        samples[0].pending_forks = samples[1:]
-        return samples
+        return NewRequest(rid=rid or uuid.uuid4().hex, prompt_ids=tuple(ids), params=p,
+                          seeds=tuple(sample_seed(base, j) for j in range(p.n)),
+                          return_logprob=return_logprob or top_logprobs_num > 0,
+                          top_logprobs_num=top_logprobs_num, bootstrap=bootstrap)
 
 
-def as_list(x: Sequence[Any] | Any) -> list[Any]:
-    return list(x) if isinstance(x, (list, tuple)) else [x]
+def check_new_tokens(max_new_tokens: int, min_new_tokens: int, names: ApiFields) -> None:
+    """The token budget in the caller's names, for APIs whose fields SamplingParams does
+    not spell (it checks the same bounds under its own names for everyone else)."""
+    if not 0 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"{names.max_new_tokens}: must be in [0, 2^20], got {max_new_tokens!r}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(f"{names.min_new_tokens}: must be in [0, {names.max_new_tokens}], "
+                         f"got {min_new_tokens!r}")
+
+
+def bootstrap_addresses(mode: str, default_port: int, host: Any, port: Any, room: Any,
+                        counts: list[int]) -> list[tuple[Bootstrap, ...]] | None:
+    """Per prompt, per sample, the prefill server a sample meets its other half through;
+    None when colocated (`mode` "null": the fields are ignored, as SGLang does).
+    `counts`: the n of each prompt. Lists carry one value per sample, prompt-major
+    (prompt i's sample j at sum(n of prompts < i) + j), as SGLang's router sends them;
+    scalars apply to all samples (a room only when there is a single sample)."""
+    if mode == "null":
+        return None
+    if room is None or host is None:
+        raise ValueError(f"bootstrap_room: a {mode} server needs bootstrap_host and "
+                         "bootstrap_room (send requests through a PD router)")
+    total = sum(counts)
+
+    def per_sample(value: Any, name: str) -> list[Any]:
+        if not isinstance(value, list):
+            return [value] * total
+        if len(value) == total:
+            return value
+        raise ValueError(f"{name}: {len(value)} values for {total} samples ({len(counts)} prompts x n); "
+                         "give one per sample")
+    hosts = per_sample(host, "bootstrap_host")
+    ports = per_sample(port, "bootstrap_port")
+    rooms = per_sample(room, "bootstrap_room")
+    if total > 1 and not isinstance(room, list):
+        raise ValueError(f"bootstrap_room: {total} samples need one room each (a list)")
+    if len(set(rooms)) != len(rooms):
+        raise ValueError("bootstrap_room: every sample needs a distinct room")
+    flat = []
+    for h, p, r in zip(hosts, ports, rooms):
+        if not isinstance(r, int) or not 0 <= r < 2**63:
+            raise ValueError(f"bootstrap_room: must be in [0, 2^63), got {r}")
+        p = p if p is not None else default_port
+        if not 0 < p <= 65535:
+            raise ValueError(f"bootstrap_port: must be in [1, 65535], got {p}")
+        flat.append(Bootstrap(h, p, r))
+    out, at = [], 0
+    for c in counts:
+        out.append(tuple(flat[at: at + c]))
+        at += c
+    return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+MAX_NEW_TOKENS = 1 << 20  # the largest max_new_tokens any API accepts
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -76,7 +78,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "frequency_penalty", "presence_penalty"):
             need(is_num(getattr(self, name)), name, "must be a number")
-        need(0 <= self.max_new_tokens <= 1 << 20, "max_new_tokens", "must be in [0, 2^20]")
+        need(0 <= self.max_new_tokens <= MAX_NEW_TOKENS, "max_new_tokens", "must be in [0, 2^20]")
         need(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens",
              "must be in [0, max_new_tokens]")
         need(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")

@@ -8,13 +8,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import openai
 import psutil
 import pytest
 
 from tests.server.conftest import free_port
+from tests.waiting import wait_until
 
 
 def test_up_bad_flags_name_the_flag():
@@ -27,10 +27,25 @@ def test_up_bad_flags_name_the_flag():
 
 
 def _wait_all_gone(children: list[psutil.Process], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
-        assert time.monotonic() < deadline, [c.cmdline() for c in children if c.is_running()]
-        time.sleep(0.2)
+    def alive() -> list[psutil.Process]:
+        out = []
+        for c in children:
+            try:
+                if c.is_running() and c.status() != psutil.STATUS_ZOMBIE:
+                    out.append(c)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def cmdlines() -> str:
+        lines = []
+        for c in alive():
+            try:
+                lines.append(" ".join(c.cmdline()))
+            except psutil.Error:
+                pass
+        return f"all children of pdserve up gone; alive: {lines}"
+    wait_until(lambda: not alive(), seconds, step=0.2, what=cmdlines)
 
 
 def test_up_serves_chat_and_ctrl_c_stops_everything(tmp_path):
@@ -75,13 +90,13 @@ def test_up_ctrl_c_while_starting_stops_everything():
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "up", "--port", str(free_port())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        children: list[psutil.Process] = []
-        while len(children) < 2:  # both servers spawned, neither healthy yet (loading takes seconds)
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-            children = [c for c in psutil.Process(proc.pid).children()
-                        if "pdserve.launch_server" in " ".join(c.cmdline())]
+        def servers() -> list[psutil.Process] | None:
+            assert proc.poll() is None, "pdserve up exited while starting"
+            kids = [c for c in psutil.Process(proc.pid).children()
+                    if "pdserve.launch_server" in " ".join(c.cmdline())]
+            return kids if len(kids) >= 2 else None
+        # Both servers spawned, neither healthy yet (loading takes seconds).
+        children = wait_until(servers, 60.0, ignore=(psutil.NoSuchProcess,), what="both servers spawned")
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out

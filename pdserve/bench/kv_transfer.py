@@ -133,7 +133,10 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
     from pdserve.model.runner import ModelRunner
     from pdserve.requests import RequestBuilder
     from pdserve.sampling_params import SamplingParams
-    from pdserve.scheduler.disagg import DecodeScheduler, PrefillScheduler
+    from pdserve.scheduler.decode import DecodeScheduler
+    from pdserve.scheduler.handoff import Phase
+    from pdserve.scheduler.prefill import PrefillScheduler
+    from pdserve.scheduler.req import samples_from_message
     from pdserve.scheduler.scheduler import Scheduler
 
     args = ServerArgs(model_path=model_dir, chunked_prefill_size=chunk, page_size=page_size,
@@ -154,7 +157,7 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
     try:
         for i in range(repeats + 1):  # the first round connects the pair and warms up
             prompt = [rng.randrange(3, vocab) for _ in range(tokens)]
-            c = builder.group(prompt, params, False, 0)[0]
+            c = samples_from_message(builder.group(prompt, params, False, 0))[0]
             t0 = time.perf_counter()
             colo.add(c)
             while not c.output_ids:
@@ -162,13 +165,13 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
             colocated = time.perf_counter() - t0
             while colo.has_work:
                 colo.step()
-            rp, rd = builder.group(prompt, params, False, 0)[0], builder.group(prompt, params, False, 0)[0]
+            rp, rd = (samples_from_message(builder.group(prompt, params, False, 0))[0] for _ in range(2))
             for r in (rp, rd):
                 r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, 1000 + i
             t0 = time.perf_counter()
             p.add(rp)
             d.add(rd)
-            while rp not in p.inflight:
+            while not p.handoffs.count(Phase.INFLIGHT):
                 p.step()
                 d.step()  # decode connects, reserves and asks for the KV
             t_handoff = time.perf_counter()

@@ -1,6 +1,6 @@
 """The bootstrap server: a registry of a prefill server's ranks, nothing per request.
 
-It runs inside the prefill server's HTTP process on
+It runs in a thread of the prefill server's rank-0 scheduler process, on
 ``--disaggregation-bootstrap-port``.  Each prefill TP rank ``PUT``s its
 ``RankInfo`` (address, transfer session, compatibility record, KV layout);
 decode ranks ``GET`` the list once, then talk to the ranks directly.

@@ -435,9 +435,10 @@ class PrefillTransferManager(_Side):
                 else:
                     self._finish(room, arg)
             except Exception as exc:  # fail the room, keep the thread
-                logger.exception("room %d: transfer failed", room)
-                self.rooms.fail(room, f"KV transfer failed: {exc}", "transfer_error")
-                self._tell(room, P.Abort(room, f"KV transfer failed: {exc}"))
+                logger.exception("room %d: sending the handoff record failed", room)
+                if self.rooms.fail(room, f"KV transfer failed: {exc}", "transfer_error"):
+                    self._tell(room, P.Abort(room, f"KV transfer failed: {exc}"))
+                self._ack_if_idle(room)
 
     def _write(self, room: int, src_slots: list[int], first: int) -> None:
         with self._lock:
@@ -465,6 +466,10 @@ class PrefillTransferManager(_Side):
                 self.transfer_seconds += time.perf_counter() - t0
                 self.bytes_sent += batch.nbytes
                 pr.bytes_sent += batch.nbytes
+        except Exception as exc:  # fail the room (before the acknowledgement below), keep the thread
+            logger.exception("room %d: transfer failed", room)
+            self.rooms.fail(room, f"KV transfer failed: {exc}", "transfer_error")
+            self._tell(room, P.Abort(room, f"KV transfer failed: {exc}"), pr)
         finally:
             with self._lock:
                 pr.pending -= 1

@@ -65,7 +65,7 @@ class TransferRequest:
     room: int
     decode_id: str
     dst_slots: tuple[int, ...]       # one per prompt position (prefill sends every position)
-    want_features: bool = False      # decode drafts but prefill does not: send target features too
+    want_features: bool = False      # decode drafts: send the target features of every position too
 
 
 @dataclass(frozen=True)
@@ -208,4 +208,4 @@ def _value(hint: Any, value: Any, where: str) -> Any:
 
 
 __all__ = ["ProtocolError", "encode", "decode", "to_body", "from_body", "RankInfo", "Handshake", "HandshakeReply", "TransferRequest",
-           "SpecHandoff", "HandoffRecord", "Abort", "Heartbeat"]
+           "SpecHandoff", "HandoffRecord", "Abort", "WritesDone", "Heartbeat"]

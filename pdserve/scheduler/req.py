@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.messages import NewRequest
 
 
 class FinishKind(str, enum.Enum):
@@ -89,3 +90,19 @@ class Req:
     @property
     def remaining_new_tokens(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)
+
+
+def samples_from_message(msg: NewRequest) -> list[Req]:
+    """The scheduler's requests for one `NewRequest`: sample 0 carries samples 1..n-1 in
+    `pending_forks` (they are forked from it once its prompt is in the KV pool)."""
+    samples = []
+    for j, seed in enumerate(msg.seeds):
+        where = msg.bootstrap[j] if msg.bootstrap is not None else None
+        samples.append(Req(rid=msg.rid, prompt_ids=list(msg.prompt_ids), params=msg.params, seed=seed,
+                           return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
+                           sample_index=j,
+                           bootstrap_host=where.host if where else None,
+                           bootstrap_port=where.port if where else None,
+                           bootstrap_room=where.room if where else None))
+    samples[0].pending_forks = samples[1:]
+    return samples

@@ -14,7 +14,6 @@ import os
 import socket
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -24,31 +23,12 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.model.parallel import TPGroup, init_tp_group
 from pdserve.model.runner import ModelRunner
-from pdserve.scheduler.req import FinishKind, FinishReason, Req
+from pdserve.scheduler.messages import Command
+from pdserve.scheduler.req import FinishKind, FinishReason, Req, samples_from_message
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Command:
-    """What rank 0 receives and broadcasts to every rank."""
-    add: tuple[Req, ...] = ()
-    abort: tuple[str, ...] = ()
-    flush_cache: bool = False
-    get_state: bool = False
-    shutdown: bool = False
-
-    @staticmethod
-    def merge(cmds: list["Command"]) -> "Command":
-        return Command(
-            add=tuple(r for c in cmds for r in c.add),
-            abort=tuple(a for c in cmds for a in c.abort),
-            flush_cache=any(c.flush_cache for c in cmds),
-            get_state=any(c.get_state for c in cmds),
-            shutdown=any(c.shutdown for c in cmds),
-        )
 
 
 class RankIO(Protocol):
@@ -103,7 +83,8 @@ def build_disagg_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: C
     from pdserve.disagg.manager import LinkConfig
     from pdserve.disagg.rooms import Deadlines
     from pdserve.disagg.transfer import MooncakeTransfer
-    from pdserve.scheduler.disagg import DecodeScheduler, PrefillScheduler
+    from pdserve.scheduler.decode import DecodeScheduler
+    from pdserve.scheduler.prefill import PrefillScheduler
 
     link = LinkConfig(
         heartbeat_interval_s=args.disaggregation_heartbeat_interval,
@@ -164,14 +145,15 @@ def serve(sched: Scheduler, tp: TPGroup, io: RankIO | None) -> None:
         if cmd.shutdown:
             break
         out = StepOutput()
-        for req in cmd.add:
+        for msg in cmd.add:
+            samples = samples_from_message(msg)  # every rank builds the same Reqs from the message
             try:
-                sched.add(req)
+                sched.add(samples[0])
             except (ValueError, RuntimeError) as exc:  # e.g. a bad room, an unreachable prefill server
-                for sample in [req] + req.pending_forks:
+                for sample in samples:
                     sample.finish = FinishReason(FinishKind.ABORT, message=str(exc))
                     out.finished.append(sample)
-                req.pending_forks = []
+                samples[0].pending_forks = []
         for rid in cmd.abort:
             out.finished += sched.abort(rid)
         if cmd.flush_cache and io is not None:

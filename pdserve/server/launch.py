@@ -7,6 +7,7 @@ children also die with this process if it is killed outright (PDEATHSIG).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -23,7 +24,7 @@ from pdserve.requests import RequestBuilder
 from pdserve.scheduler.worker import free_tcp_port
 from pdserve.server import ipc
 from pdserve.server.detokenizer import run_detokenizer_process
-from pdserve.server.http_server import create_app, server_args_dict
+from pdserve.server.app import create_app
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.scheduler_process import run_scheduler_process
 from pdserve.server.tokenizer_manager import TokenizerManager
@@ -34,6 +35,14 @@ logger = logging.getLogger("pdserve")
 
 class StartupError(RuntimeError):
     pass
+
+
+def server_args_dict(args: ServerArgs) -> dict[str, Any]:
+    """The arguments as /get_server_info shows them, the API key masked."""
+    d = dataclasses.asdict(args)
+    if d.get("api_key"):
+        d["api_key"] = "***"
+    return d
 
 
 def _wait_ready(children: list[tuple[Any, Any]], timeout: float = 600.0) -> list[dict[str, Any]]:

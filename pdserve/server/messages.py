@@ -1,6 +1,6 @@
 """Typed messages between the server's processes (all sent with ipc.dumps).
 
-HTTP -> scheduler: `pdserve.scheduler.worker.Command`.
+HTTP -> scheduler: `pdserve.scheduler.messages.Command` (new requests as `NewRequest`s).
 scheduler -> detokenizer: `TokenBatch` of `TokenUpdate`s (new tokens since the last one).
 detokenizer -> HTTP: `TextBatch` of `TextUpdate`s (the same plus the new text).
 scheduler -> HTTP: `Reply` to a query (state, flush).

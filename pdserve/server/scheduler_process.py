@@ -11,9 +11,10 @@ from typing import Any
 import zmq
 
 from pdserve.config import ServerArgs
+from pdserve.scheduler.messages import Command
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import StepOutput
-from pdserve.scheduler.worker import Command, run_rank
+from pdserve.scheduler.worker import run_rank
 from pdserve.server import ipc
 from pdserve.server.messages import Reply, TokenBatch, TokenUpdate
 

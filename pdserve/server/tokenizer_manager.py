@@ -14,14 +14,14 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Sequence
 
 import zmq
 import zmq.asyncio
 
 from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.worker import Command
+from pdserve.scheduler.messages import Command, NewRequest
 from pdserve.server import ipc
 from pdserve.server.messages import Reply, TextBatch, TextUpdate
 from pdserve.server.metrics import ServerMetrics
@@ -56,6 +56,8 @@ class RequestState:
     params: SamplingParams
     samples: list[SampleResult]
     queue: asyncio.Queue  # shared by every prompt of one HTTP request
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -127,38 +129,20 @@ class TokenizerManager:
         if self.dead_reason is not None:
             raise ServerUnavailable(self.dead_reason)
 
-    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], return_logprob: bool,
-                     top_logprobs_num: int, rids: list[str] | None = None,
-                     bootstrap: list[list[tuple[str, int, int]]] | None = None) -> Job:
-        """Validate and send every prompt. Raises ValueError on bad input.
-        ``bootstrap``: per prompt, per sample (host, port, room) of its prefill server
-        (PD mode): every sample crosses the split in its own room."""
+    async def submit(self, requests: Sequence[NewRequest]) -> Job:
+        """Send the prompts of one HTTP request (built and validated by the RequestBuilder).
+        Raises ValueError if a rid is already in flight, ServerUnavailable if the server died."""
         self.check_alive()
-        b = self.builder
-        b.check_logprob_args(return_logprob, top_logprobs_num)
-        for ids, p in zip(prompts, params):
-            if p.n > b.max_n:
-                raise ValueError(f"n: {p.n} is above the limit {b.max_n} (--max-n)")
-            b.check_lengths(ids, p)
-        if rids is not None:
-            if len(rids) != len(prompts) or len(set(rids)) != len(rids):
-                raise ValueError("rid: one distinct rid per prompt is required")
-            live = [r for r in rids if r in self.requests]
-            if live:
-                raise ValueError(f"rid: {live[0]!r} is already in flight")
+        live = [m.rid for m in requests if m.rid in self.requests]
+        if live:
+            raise ValueError(f"rid: {live[0]!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
-        states, heads = [], []
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            group = b.group(ids, p, return_logprob, top_logprobs_num, rid=rids[i] if rids else None)
-            if bootstrap is not None:
-                for sample, (host, port, room) in zip(group, bootstrap[i]):
-                    sample.bootstrap_host, sample.bootstrap_port, sample.bootstrap_room = host, port, room
-            state = RequestState(group[0].rid, ids, p, [SampleResult(j) for j in range(p.n)], queue)
-            states.append(state)
-            heads.append(group[0])
+        states = [RequestState(m.rid, list(m.prompt_ids), m.params, [SampleResult(j) for j in range(m.params.n)],
+                               queue, return_logprob=m.return_logprob, top_logprobs_num=m.top_logprobs_num)
+                  for m in requests]
         for state in states:
             self.requests[state.rid] = state
-        await self.to_scheduler.send(ipc.dumps(Command(add=tuple(heads))))
+        await self.to_scheduler.send(ipc.dumps(Command(add=tuple(requests))))
         overtaken = tuple(st.rid for st in states if self.early_aborts.pop(st.rid, None) is not None)
         if overtaken:
             await self.to_scheduler.send(ipc.dumps(Command(abort=overtaken)))

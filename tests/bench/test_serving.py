@@ -151,18 +151,26 @@ def native_events(n: int, prompt_tokens: int = 5) -> list[Any]:
 
 class FakeServer:
     """A MockTransport handler: answers /generate after `delay` with `n` native chunks and
-    counts the requests in flight."""
+    counts the requests in flight. With `gate`, it answers none before `gate` requests are
+    in flight at once (and fails them all after 30 s without)."""
 
-    def __init__(self, delay: float = 0.05, n: int = 3) -> None:
-        self.delay, self.n = delay, n
+    def __init__(self, delay: float = 0.05, n: int = 3, gate: int | None = None) -> None:
+        self.delay, self.n, self.gate = delay, n, gate
         self.in_flight = self.max_in_flight = 0
         self.starts: list[float] = []
+        self._all_in: asyncio.Event | None = None
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
         self.starts.append(time.perf_counter())
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
+            if self.gate is not None:
+                if self._all_in is None:
+                    self._all_in = asyncio.Event()
+                if self.in_flight >= self.gate:
+                    self._all_in.set()
+                await asyncio.wait_for(self._all_in.wait(), 30)
             await asyncio.sleep(self.delay)
         finally:
             self.in_flight -= 1
@@ -191,11 +199,14 @@ def test_max_concurrency_bounds_requests_in_flight():
 
 
 def test_inf_rate_sends_everything_at_once():
-    fake = FakeServer(delay=0.2)
+    # Every request is sent before any is answered (none waits for another's answer) ...
+    fake = FakeServer(delay=0.0, gate=len(REQS))
     state = _run(REQS, fake, math.inf, max_concurrency=None)
     assert fake.max_in_flight == 12
-    assert max(fake.starts) - min(fake.starts) < 0.15
-    assert all(r.start_time < 0.15 for r in state.records)
+    assert len(state.records) == 12 and all(r.success for r in state.records)
+    # ... and none after a pause: all go at offset 0 (seconds here would be a schedule).
+    assert max(fake.starts) - min(fake.starts) < 2.0
+    assert all(r.start_time < 2.0 for r in state.records)
 
 
 def test_requests_follow_the_poisson_schedule():

@@ -44,7 +44,7 @@ def test_bad_registrations_are_refused(server):
         register_rank(url, rank(1, 4))
     with pytest.raises(BootstrapError, match="tp_rank 3"):
         register_rank(url, rank(3, 2))
-    req = urllib.request.Request(url + "/ranks", data=b'{"v": 1, "type": "Abort", "body": {}}', method="PUT")
+    req = urllib.request.Request(url + "/ranks", data=b'{"v": %d, "type": "Abort", "body": {}}' % PROTOCOL_VERSION, method="PUT")
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=5)
     assert err.value.code == 400 and "missing field" in json.loads(err.value.read())["error"]

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.testing import build_random_model
 from tests.server.conftest import ServerProcess, free_port
+from tests.waiting import wait_until
 
 PARAMS = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -51,15 +52,6 @@ def disagg_state(s: ServerProcess) -> dict:
     return s.state()["disaggregation"]
 
 
-def wait_until(pred, timeout=20.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError("condition not reached")
-
-
 def abort_message(r: httpx.Response) -> str:
     data = r.json()
     if "error" in data:
@@ -79,7 +71,7 @@ def test_prefill_death_fails_waiting_decode_rooms_within_heartbeats(target):
         assert ok["response"].status_code == 200
         box: dict = {}
         t = post_async(d.url + "/generate", body(2, boot), box)
-        wait_until(lambda: disagg_state(d)["transferring"] == 1)
+        wait_until(lambda: disagg_state(d)["transferring"] == 1, 20.0)
         killed = time.monotonic()
         p.kill_all()
         t.join(30)
@@ -103,7 +95,7 @@ def test_decode_death_mid_transfer_fails_prefill_rooms_within_heartbeats(target)
         box: dict = {}
         t = post_async(p.url + "/generate", long_prompt, box)
         post_async(d.url + "/generate", long_prompt, {})
-        wait_until(lambda: disagg_state(p)["rooms"]["transferring"] == 1)
+        wait_until(lambda: disagg_state(p)["rooms"]["transferring"] == 1, 20.0)
         killed = time.monotonic()
         d.kill_all()
         t.join(30)
@@ -139,7 +131,7 @@ def test_bootstrap_never_completed_and_duplicate_room(target):
         box: dict = {}
         t = post_async(p.url + "/generate", body(7, boot), box)
         dup: dict = {}
-        time.sleep(0.3)
+        wait_until(lambda: disagg_state(p)["rooms"]["bootstrapping"] == 1, 20.0)  # room 7 is live
         t_dup = post_async(p.url + "/generate", body(7, boot), dup)  # same live room: refused
         t_dup.join(30)
         assert "already in use" in abort_message(dup["response"])

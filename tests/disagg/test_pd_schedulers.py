@@ -19,9 +19,13 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.disagg import DecodeScheduler, PrefillScheduler
+from pdserve.scheduler.decode import DecodeScheduler
+from pdserve.scheduler.handoff import Phase
+from pdserve.scheduler.prefill import PrefillScheduler
+from pdserve.scheduler.req import samples_from_message
 from pdserve.testing import build_random_draft, build_random_model
 from pdserve.tokenizer import load_tokenizer
+from tests.waiting import wait_until
 
 GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
 
@@ -43,7 +47,7 @@ def sched(cls, dirs, algo: str | None, extra: dict[str, Any] | None = None, **kw
                                         speculative_num_draft_tokens=5)
     if algo is not None:
         SPEC[algo] = spec
-    args = ServerArgs(model_path=str(dirs["target"]), max_total_tokens=8192, **spec, **(extra or {}))
+    args = ServerArgs(model_path=str(dirs["target"]), **{"max_total_tokens": 8192, **spec, **(extra or {})})
     runner = ModelRunner(args, dirs["target"], TPGroup())
     tok = load_tokenizer(dirs["target"])
     return cls(args, runner, lambda ids: tok.decode(ids, skip_special_tokens=False), LocalTransfer(), **kw)
@@ -62,8 +66,8 @@ def run_pair(p, d, ps: list[list[int]], sampling: dict[str, Any] = GREEDY) -> li
     outs: dict[str, list[int]] = {}
     dec_reqs = []
     for i, ids in enumerate(ps):
-        gp = builder.group(ids, params, False, 0, rid=f"p{i}")
-        gd = builder.group(ids, params, False, 0, rid=f"d{i}")
+        gp = samples_from_message(builder.group(ids, params, False, 0, rid=f"p{i}"))
+        gd = samples_from_message(builder.group(ids, params, False, 0, rid=f"d{i}"))
         for rp, rd in zip(gp, gd):  # one room per sample
             room = random.getrandbits(62) + i
             for r in (rp, rd):
@@ -85,11 +89,7 @@ def run_pair(p, d, ps: list[list[int]], sampling: dict[str, Any] = GREEDY) -> li
 
 
 def step_until(s, cond, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        s.step()
-        time.sleep(0.005)
+    wait_until(cond, timeout, step=0.005, between=s.step)
 
 
 def pools_full(s) -> None:
@@ -169,7 +169,7 @@ def test_incompatible_pairs_are_refused(dirs):
         def request(s) -> str | None:
             """Add a request; the handshake runs in the background and a refused one
             fails the request with the reason. Returns that reason (None: connected)."""
-            r = builder.group([5, 6, 7], SamplingParams.from_dict(GREEDY), False, 0)[0]
+            r = samples_from_message(builder.group([5, 6, 7], SamplingParams.from_dict(GREEDY), False, 0))[0]
             r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, random.getrandbits(62)
             s.add(r)
             deadline = time.monotonic() + 30
@@ -216,29 +216,44 @@ def test_client_abort_on_decode_quarantines_pages_until_prefill_acknowledges(dir
     d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
     builder = RequestBuilder(None, 4096, 10**6, 4, 0)
     try:
-        r = builder.group(list(range(6, 40)), SamplingParams.from_dict(GREEDY), False, 0, rid="x")[0]
+        r = samples_from_message(builder.group(list(range(6, 40)), SamplingParams.from_dict(GREEDY), False, 0,
+                                                rid="x"))[0]
         r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, 99
         d.add(r)
-        step_until(d, lambda: d.transferring)  # connected in the background, then admitted
+        step_until(d, lambda: d.handoffs.count(Phase.TRANSFERRING))  # connected in the background, then admitted
         assert d.manager.rooms.get(99).state.name == "WAITING_FOR_INPUT"
-        deadline = time.monotonic() + 5
-        while p.manager.rooms.get(99) is None and time.monotonic() < deadline:
-            time.sleep(0.01)  # decode's request reached prefill
+        wait_until(lambda: p.manager.rooms.get(99) is not None, 5, step=0.01)  # decode's request reached prefill
         (done,) = d.abort("x")
         assert done.finish.message == "aborted by the client"
-        assert d.quarantine, "pages reused before prefill confirmed no write is in flight"
-        free_before = d.allocator.num_free
-        deadline = time.monotonic() + 5
-        while p.manager.status(99)[0].name != "FAILED" and time.monotonic() < deadline:
-            time.sleep(0.01)  # prefill was told
+        assert d.handoffs.count(Phase.QUARANTINED), "pages reused before prefill confirmed no write is in flight"
+        free_before = d.kv.allocator.num_free
+        wait_until(lambda: p.manager.status(99)[0].name == "FAILED", 5, step=0.01)  # prefill was told
         assert p.manager.status(99)[1] == "aborted by decode: aborted by the client"
-        while d.quarantine and time.monotonic() < deadline:
-            p.step()
-            d.step()
-            time.sleep(0.01)
-        assert not d.quarantine and d.allocator.num_free > free_before
+        wait_until(lambda: not d.handoffs.count(Phase.QUARANTINED), 5, step=0.01, between=lambda: (p.step(), d.step()))
+        assert not d.handoffs.count(Phase.QUARANTINED) and d.kv.allocator.num_free > free_before
         p.step()
         assert p.manager.rooms.get(99) is None  # prefill forgot the room
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_decode_retraction_finishes_without_new_traffic(make_engine, dirs):
+    """A decode server whose pool cannot hold its admitted requests' outputs retracts some
+    of them (they recompute their KV later); once the running batch drains, the retracted
+    requests must still run to the end without any new request arriving, with the
+    colocated greedy tokens, and both pools end full."""
+    ps = prompts(8, seed=7)
+    sampling = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=sampling)]
+    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
+    d = sched(DecodeScheduler, dirs, None, {"max_total_tokens": 320},
+              fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    try:
+        assert run_pair(p, d, ps, sampling) == ref
+        assert d.state()["num_retractions"] > 0
         pools_full(p)
         pools_full(d)
     finally:

@@ -5,8 +5,9 @@ colocated engine, for plain and speculative decode; bad PD fields are refused.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -33,22 +34,51 @@ async def pd_generate(p: ServerProcess, d: ServerProcess, boot_port: int, body: 
     return rd.json()
 
 
+def prompts_and_reference(make_engine, target, seed: int, n: int, min_len: int, max_len: int,
+                          params: dict) -> tuple[random.Random, list[list[int]], list[Any]]:
+    """`n` random prompts (lengths in [min_len, max_len)), the colocated engine's answers,
+    and the generator to draw rooms from."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(6, 90) for _ in range(rng.randrange(min_len, max_len))] for _ in range(n)]
+    return rng, prompts, make_engine(target).generate(input_ids=prompts, sampling_params=params)
+
+
+def pd_generate_all(p: ServerProcess, d: ServerProcess, boot_port: int, prompts: list[list[int]],
+                    params: dict, rooms: list[int]) -> list[Any]:
+    """Every prompt at once, each in its own room: decode's answers."""
+    async def run_all() -> list[Any]:
+        return await asyncio.gather(*[pd_generate(p, d, boot_port, {"input_ids": ids, "sampling_params": params},
+                                                  room) for ids, room in zip(prompts, rooms)])
+    return asyncio.run(run_all())
+
+
+@contextlib.contextmanager
+def pd_pair(target, boot_port: int, prefill_flags: tuple[str, ...] = (),
+            decode_flags: tuple[str, ...] = ()) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A prefill server (its bootstrap server on `boot_port`) and a decode server; both
+    pools must be full at the end of a test that passed."""
+    p = ServerProcess(target, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot_port),
+                      *prefill_flags)
+    try:
+        d = ServerProcess(target, "--disaggregation-mode", "decode", *decode_flags)
+        try:
+            yield p, d
+            p.assert_pools_full()
+            d.assert_pools_full()
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
 @pytest.mark.parametrize("decode_spec", [False, True], ids=["plain", "decode-eagle"])
 def test_pd_servers_equal_colocated(dirs, make_engine, decode_spec):
     target, draft = dirs
-    rng = random.Random(3)
-    prompts = [[rng.randrange(6, 90) for _ in range(rng.randrange(5, 60))] for _ in range(6)]
-    ref = make_engine(target).generate(input_ids=prompts, sampling_params=GREEDY)
+    rng, prompts, ref = prompts_and_reference(make_engine, target, 3, 6, 5, 60, GREEDY)
     boot = free_port()
-    p = ServerProcess(target, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
-                      "--chunked-prefill-size", "16")
-    extra = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft)] if decode_spec else []
-    d = ServerProcess(target, "--disaggregation-mode", "decode", *extra)
-    try:
-        async def run_all():
-            return await asyncio.gather(*[pd_generate(p, d, boot, {"input_ids": ids, "sampling_params": GREEDY},
-                                                      room=rng.getrandbits(63)) for ids in prompts])
-        outs = asyncio.run(run_all())
+    extra = ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft)) if decode_spec else ()
+    with pd_pair(target, boot, ("--chunked-prefill-size", "16"), extra) as (p, d):
+        outs = pd_generate_all(p, d, boot, prompts, GREEDY, [rng.getrandbits(63) for _ in prompts])
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
         if decode_spec:
             assert all(o["meta_info"]["spec_verify_ct"] >= 1 for o in outs)
@@ -72,38 +102,20 @@ def test_pd_servers_equal_colocated(dirs, make_engine, decode_spec):
         sent = next(ln for ln in metrics.splitlines() if ln.startswith("pdserve:kv_transfer_bytes"))
         assert float(sent.split()[-1]) > 0
         assert 'pdserve:disagg_queue_reqs{state="transferring"}' in d.client.get("/metrics").text
-        p.assert_pools_full()
-        d.assert_pools_full()
-    finally:
-        d.close()
-        p.close()
 
 
 def test_300_concurrent_requests_over_1p1d_lose_nothing(dirs, make_engine):
     """A burst through a small client that sends each request to both servers (the router
     issue brings the real router): every request completes, equal to colocated."""
     target, _ = dirs
-    rng = random.Random(11)
-    prompts = [[rng.randrange(6, 90) for _ in range(rng.randrange(3, 24))] for _ in range(300)]
     params = dict(GREEDY, max_new_tokens=4)
-    ref = make_engine(target).generate(input_ids=prompts, sampling_params=params)
+    _, prompts, ref = prompts_and_reference(make_engine, target, 11, 300, 3, 24, params)
     boot = free_port()
-    p = ServerProcess(target, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot))
-    d = ServerProcess(target, "--disaggregation-mode", "decode")
-    try:
+    with pd_pair(target, boot) as (p, d):
         base = random.Random(12).getrandbits(63)
         rooms = [(base + i) % 2**63 for i in range(len(prompts))]  # distinct 63-bit rooms
-
-        async def run_all():
-            return await asyncio.gather(*[pd_generate(p, d, boot, {"input_ids": ids, "sampling_params": params},
-                                                      room) for ids, room in zip(prompts, rooms)])
-        outs = asyncio.run(run_all())
+        outs = pd_generate_all(p, d, boot, prompts, params, rooms)
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
-        p.assert_pools_full()
-        d.assert_pools_full()
-    finally:
-        d.close()
-        p.close()
 
 
 @pytest.mark.parametrize("p_tp,d_tp,decode_spec", [(1, 2, False), (2, 1, False), (2, 1, True)],
@@ -113,22 +125,10 @@ def test_heterogeneous_tensor_parallel_pairs(dirs, make_engine, p_tp, d_tp, deco
     heads it holds into the decode rank that holds them (GQA, 2 KV heads); page size 16
     and chunked prefill; outputs equal the colocated single-rank engine."""
     target, draft = dirs
-    rng = random.Random(21)
-    prompts = [[rng.randrange(6, 90) for _ in range(rng.randrange(5, 70))] for _ in range(5)]
-    ref = make_engine(target).generate(input_ids=prompts, sampling_params=GREEDY)
+    rng, prompts, ref = prompts_and_reference(make_engine, target, 21, 5, 5, 70, GREEDY)
     boot = free_port()
-    p = ServerProcess(target, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot),
-                      "--tp-size", str(p_tp), "--page-size", "16", "--chunked-prefill-size", "32")
-    extra = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft)] if decode_spec else []
-    d = ServerProcess(target, "--disaggregation-mode", "decode", "--tp-size", str(d_tp), "--page-size", "16", *extra)
-    try:
-        async def run_all():
-            return await asyncio.gather(*[pd_generate(p, d, boot, {"input_ids": ids, "sampling_params": GREEDY},
-                                                      room=rng.getrandbits(63)) for ids in prompts])
-        outs = asyncio.run(run_all())
+    extra = ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft)) if decode_spec else ()
+    with pd_pair(target, boot, ("--tp-size", str(p_tp), "--page-size", "16", "--chunked-prefill-size", "32"),
+                 ("--tp-size", str(d_tp), "--page-size", "16", *extra)) as (p, d):
+        outs = pd_generate_all(p, d, boot, prompts, GREEDY, [rng.getrandbits(63) for _ in prompts])
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
-        p.assert_pools_full()
-        d.assert_pools_full()
-    finally:
-        d.close()
-        p.close()

@@ -8,15 +8,14 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import openai
 
 from pdserve import assets
-from tests.router.conftest import RouterProcess
-from tests.server.conftest import ServerProcess, free_port
+from tests.router.conftest import RouterProcess, stop_process
+from tests.server.conftest import ServerProcess, free_port, wait_until_healthy
 
 import sglang_router  # noqa: F401  (the test extra installs it; a missing install must fail, not skip)
 
@@ -33,24 +32,18 @@ class SGLangRouter:
              "--prefill", prefill.url, str(boot), "--decode", decode.url, "--host", "127.0.0.1",
              "--port", str(self.port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
-            assert self.proc.poll() is None, Path(self.log.name).read_text()[-3000:]
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, Path(self.log.name).read_text()[-3000:]
-            time.sleep(0.2)
+        try:
+            wait_until_healthy(self.proc, self.url, 60.0, self.output, what="sglang-router")
+        except AssertionError as exc:  # it never answered: stop it, keep its log for the message
+            output = self.output()
+            self.close()
+            raise AssertionError(f"{exc}\n{output}") from None
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-3000:]
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        stop_process(self.proc)
         Path(self.log.name).unlink(missing_ok=True)
 
 

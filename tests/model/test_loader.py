@@ -60,6 +60,21 @@ def edit_config(base: Path, dst: Path, edit: Callable[[dict], None]) -> Path:
     return dst
 
 
+def copy_without(base: Path, dst: Path, name: str) -> Path:
+    """A copy of the checkpoint `base` without its file `name`."""
+    shutil.copytree(base, dst)
+    (dst / name).unlink()
+    return dst
+
+
+def assert_config_refused(model_dir: Path, match: str) -> None:
+    """ModelConfig and the Engine both refuse the checkpoint, naming `match`."""
+    with pytest.raises(ModelConfigError, match=match):
+        ModelConfig.from_dir(model_dir)
+    with pytest.raises(ModelConfigError, match=match):
+        pdserve.Engine(model_path=str(model_dir), max_total_tokens=256)
+
+
 def test_base_checkpoint_loads(base_model, base_tokens):
     # the reference for the other tests really is the model: greedy is deterministic
     assert greedy_tokens(base_model) == base_tokens
@@ -179,9 +194,7 @@ def test_sharded_checkpoint_missing_tensor(base_model, tmp_path):
 
 
 def test_no_safetensors_files(base_model, tmp_path):
-    d = tmp_path / "empty"
-    shutil.copytree(base_model, d)
-    (d / "model.safetensors").unlink()
+    d = copy_without(base_model, tmp_path / "empty", "model.safetensors")
     with pytest.raises(WeightLoadError, match="safetensors"):
         pdserve.Engine(model_path=str(d), max_total_tokens=256)
 
@@ -193,11 +206,7 @@ def test_yarn_rope_scaling_rejected(base_model, tmp_path, key):
         cfg.pop("rope_parameters", None)
         cfg[key] = {"rope_type": "yarn", "type": "yarn", "factor": 4.0,
                     "original_max_position_embeddings": 256, "rope_theta": 10000.0}
-    d = edit_config(base_model, tmp_path / "m", edit)
-    with pytest.raises(ModelConfigError, match="yarn"):
-        ModelConfig.from_dir(d)
-    with pytest.raises(ModelConfigError, match="yarn"):
-        pdserve.Engine(model_path=str(d), max_total_tokens=256)
+    assert_config_refused(edit_config(base_model, tmp_path / "m", edit), "yarn")
 
 
 def test_legacy_type_key_yarn_rejected(base_model, tmp_path):
@@ -214,16 +223,10 @@ def test_unsupported_architecture_rejected(base_model, tmp_path):
     def edit(cfg):
         cfg["architectures"] = ["GPT2LMHeadModel"]
         cfg["model_type"] = "gpt2"
-    d = edit_config(base_model, tmp_path / "m", edit)
-    with pytest.raises(ModelConfigError, match="GPT2LMHeadModel"):
-        ModelConfig.from_dir(d)
-    with pytest.raises(ModelConfigError, match="GPT2LMHeadModel"):
-        pdserve.Engine(model_path=str(d), max_total_tokens=256)
+    assert_config_refused(edit_config(base_model, tmp_path / "m", edit), "GPT2LMHeadModel")
 
 
 def test_missing_config_json(base_model, tmp_path):
-    d = tmp_path / "m"
-    shutil.copytree(base_model, d)
-    (d / "config.json").unlink()
+    d = copy_without(base_model, tmp_path / "m", "config.json")
     with pytest.raises(ModelConfigError, match="config.json"):
         ModelConfig.from_dir(d)

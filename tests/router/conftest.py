@@ -4,15 +4,20 @@ process (fast), or real servers behind a real router process (test_pd_e2e.py).""
 from __future__ import annotations
 
 import contextlib
-import time
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
 
 from pdserve.router.app import create_app
-from tests import process_logs
 from pdserve.router.config import from_cli
 from pdserve.router.fake_worker import FakeWorker, ThreadedServer
+from tests import process_logs
+from tests.server.conftest import REPO_ROOT, free_port, metric_value, wait_until_healthy
 
 
 class FakeDeployment:
@@ -67,28 +72,11 @@ def fake_deployment(prefills: int = 1, decodes: int = 1, *flags: str, plain: boo
         yield dep
 
 
-def wait_until(pred: Callable[[], Any], timeout: float = 10.0, step: float = 0.02) -> float:
-    """Seconds it took for `pred()` to hold."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"condition not reached in {timeout}s")
-        time.sleep(step)
-    return time.monotonic() - t0
-
-
 # ---- a real router process ------------------------------------------------------------
 class RouterProcess:
     """`python -m pdserve.router ...` on a free port, ready once its /health is 200."""
 
     def __init__(self, *args: str, ready_timeout: float = 60.0) -> None:
-        import os
-        import subprocess
-        import sys
-        import tempfile
-
-        from tests.server.conftest import REPO_ROOT, free_port
-
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="pdserve-router-", suffix=".log", delete=False)
@@ -98,22 +86,14 @@ class RouterProcess:
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         process_logs.register(self.log.name, f"router :{self.port}")
         self.client = httpx.Client(base_url=self.url, timeout=120)
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"router not healthy after {ready_timeout}s:\n{self.output()}")
-            time.sleep(0.1)
+        try:
+            wait_until_healthy(self.proc, self.url, ready_timeout, self.output, what="router")
+        except AssertionError as exc:
+            output = self.output()
+            self.close()  # deletes the log
+            raise RuntimeError(f"{exc}\n{output}") from None
 
     def output(self) -> str:
-        from pathlib import Path
         return Path(self.log.name).read_text(errors="replace")[-6000:]
 
     def metric(self, name: str, **labels: str) -> float:
@@ -124,15 +104,7 @@ class RouterProcess:
         return {w["url"]: w["healthy"] for role in ("prefill", "decode", "plain") for w in info.get(role, [])}
 
     def close(self) -> None:
-        import os
-        import subprocess
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_process(self.proc)
         self.client.close()
         self.log.close()
         process_logs.unregister(self.log.name)
@@ -140,13 +112,12 @@ class RouterProcess:
             os.unlink(self.log.name)
 
 
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the Prometheus samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        if not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        head, value = line.rsplit(" ", 1)
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, SIGKILL if it is still there after `grace_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

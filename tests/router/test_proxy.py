@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from pdserve.router.fake_worker import FakeWorker, ThreadedServer
-from tests.router.conftest import fake_deployment, wait_until
+from tests.router.conftest import fake_deployment
 from tests.server.conftest import assert_openai_error, parse_sse_lines
+from tests.waiting import wait_until
 
 COMPLETION = {"prompt": "hello", "max_tokens": 3}
 
@@ -190,10 +191,11 @@ def test_a_dead_worker_comes_back_after_a_successful_probe():
     with fake_deployment(2, 1, "--health-check-interval", "0.2") as dep:
         dead = dep.server_of(dep.prefill[0])
         dead.stop()
-        assert wait_until(lambda: dep.worker_state()[dead.url] is False, timeout=3) < 1.5
+        # No request goes to it: only the probes can take it out, and put it back.
+        wait_until(lambda: dep.worker_state()[dead.url] is False)
         back = ThreadedServer(dep.prefill[0].app(), port=dead.port).start()
         try:
-            assert wait_until(lambda: dep.worker_state()[dead.url], timeout=3) < 1.0
+            wait_until(lambda: dep.worker_state()[dead.url])
             for _ in range(2):
                 assert dep.client.post("/v1/completions", json=COMPLETION).status_code == 200
             assert len(legs(dep.prefill[0])) == 1  # back in the round robin
@@ -208,7 +210,7 @@ def test_unhealthy_workers_leave_rotation_and_503_when_none_left():
         d0, d1 = dep.decode
         d0.faults.healthy = False
         url0 = dep.server_of(d0).url
-        assert wait_until(lambda: not dep.worker_state()[url0]) < 1.0
+        wait_until(lambda: not dep.worker_state()[url0])
         before = len(d0.requests)
         for _ in range(3):
             assert dep.client.post("/v1/completions", json=COMPLETION).status_code == 200
@@ -218,11 +220,12 @@ def test_unhealthy_workers_leave_rotation_and_503_when_none_left():
         n_before = len(dep.prefill[0].requests)
         t0 = time.monotonic()
         err = assert_openai_error(dep.client.post("/v1/completions", json=COMPLETION), 503)
-        assert time.monotonic() - t0 < 0.5 and "decode" in err["message"]
+        # At once: not held until a worker comes back or the request times out (1800 s).
+        assert time.monotonic() - t0 < 5.0 and "decode" in err["message"]
         assert len(dep.prefill[0].requests) == n_before  # never half a request
         assert dep.metric("pdserve_router:errors_total", cause="no_healthy_worker") >= 1
         d0.faults.healthy = True
-        wait_until(lambda: dep.client.get("/health").status_code == 200, timeout=3)
+        wait_until(lambda: dep.client.get("/health").status_code == 200)
         assert dep.client.post("/v1/completions", json=COMPLETION).status_code == 200
 
 
@@ -231,11 +234,11 @@ def test_a_hung_worker_leaves_rotation_within_interval_plus_timeout():
         hung = dep.decode[0]
         url = dep.server_of(hung).url
         hung.faults.health_delay_s = 30
-        took = wait_until(lambda: not dep.worker_state()[url], timeout=5)
-        assert took < 2.5
+        # Out after interval + timeout (2 s); a probe without its timeout would hang 30 s.
+        wait_until(lambda: not dep.worker_state()[url], timeout=10)
         assert "failed" in dep.client.get("/get_server_info").json()["decode"][0]["last_error"]
         hung.faults.health_delay_s = 0
-        wait_until(lambda: dep.worker_state()[url], timeout=5)
+        wait_until(lambda: dep.worker_state()[url])
 
 
 def test_server_info_aggregates_workers():

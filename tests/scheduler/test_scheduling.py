@@ -99,3 +99,28 @@ def test_request_larger_than_pool_aborts_cleanly(make_engine, llama_dir):
     out = engine.generate(input_ids=[7] * 100, sampling_params=dict(GREEDY, max_new_tokens=4))
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "max-total-tokens" in out["meta_info"]["finish_reason"]["message"]
+
+
+@pytest.mark.parametrize("prompt_len,max_new,chunk,n,expect", [
+    (100, 4, 16, 1, "request needs"),        # the prompt alone outgrows the pool (its first chunk fits)
+    (8, 4, -1, 5, "--max-running-requests"),  # more samples than request slots
+    (40, 20, -1, 1, None),                    # fits, with its growth estimate
+    # The prompt fits, its growth estimate does not: it runs (it might stop early) and,
+    # as it really outgrows the pool, ends when the pool is full.
+    (50, 40, -1, 1, "cannot hold this request's length"),
+])
+def test_requests_that_cannot_wait_their_way_in_end_or_run(make_engine, llama_dir, prompt_len, max_new, chunk, n,
+                                                          expect):
+    """A request that can never be admitted ends at once with a clear reason, and one
+    whose prompt fits runs alone even when its growth estimate does not fit beside it
+    (each used to hold the queue forever)."""
+    engine = make_engine(llama_dir, max_total_tokens=64, chunked_prefill_size=chunk, max_running_requests=4)
+    prompt = random_prompts(1, prompt_len, prompt_len, seed=3)[0]
+    outs = engine.generate(input_ids=prompt, sampling_params=dict(GREEDY, max_new_tokens=max_new, n=n))
+    outs = outs if isinstance(outs, list) else [outs]
+    for out in outs:
+        finish = out["meta_info"]["finish_reason"]
+        if expect is None:
+            assert finish["type"] == "length" and len(out["output_ids"]) == max_new
+        else:
+            assert finish["type"] == "abort" and expect in finish["message"], finish

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -19,10 +18,12 @@ import httpx
 import pytest
 
 from tests import process_logs
+from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 90.0
 TERM_GRACE_S = 15.0
+MAX_TOTAL_TOKENS = 8192  # the KV pool of the module's `server` and `engine` below
 
 
 def free_port() -> int:
@@ -84,6 +85,18 @@ def parse_sse_lines(lines: Iterable[str]) -> tuple[list[Any], bool]:
     return events, done
 
 
+def read_data_events(lines: Iterator[str], n: int) -> int:
+    """Consume `lines` up to and including the `n`-th `data:` line (the rest of the stream
+    stays unread); returns how many data lines came (fewer than `n` if the stream ended)."""
+    got = 0
+    for line in lines:
+        if line.startswith("data:"):
+            got += 1
+            if got == n:
+                break
+    return got
+
+
 # ---- the server process ------------------------------------------------------------
 class ServerProcess:
     def __init__(self, model_dir: Path, *extra: str, api_key: str | None = None) -> None:
@@ -115,20 +128,13 @@ class ServerProcess:
             return "<no output>"
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before it was ready:\n"
-                                   f"$ {' '.join(self.argv)}\n{self.output()[-8000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    self.remember_pids()
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.kill_all()
-        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.output()[-8000:]}")
+        try:
+            wait_until_healthy(self.proc, self.url, STARTUP_TIMEOUT_S, lambda: self.output()[-8000:],
+                               what=f"server ($ {' '.join(self.argv)})")
+        except AssertionError as exc:
+            self.kill_all()
+            raise RuntimeError(f"{exc}\n{self.output()[-8000:]}") from None
+        self.remember_pids()
 
     # ---- inspection -------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -154,29 +160,28 @@ class ServerProcess:
         return self.info()["internal_state"]
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        st = self.state()
-        while time.monotonic() < deadline:
+        """The state once no request runs or waits."""
+        def idle() -> dict[str, Any] | None:
             st = self.state()
-            if st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0:
-                return st
-            time.sleep(0.1)
-        raise AssertionError(f"server not idle after {timeout}s: {st}")
+            return st if st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0 else None
+        return wait_until(idle, timeout, step=0.1, what=lambda: f"server idle (state: {self.state()})")
 
     def assert_pools_full(self, timeout: float = 15.0) -> None:
         """Idle, cache flushed, every KV page and request slot free."""
         self.wait_idle(timeout)
-        deadline = time.monotonic() + timeout
-        mem: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+
+        def full() -> bool:
             r = self.client.post("/flush_cache", timeout=10.0)
             assert r.status_code == 200, (r.status_code, r.text)
             mem = self.state()["memory"]
-            if mem["kv_pages_free"] == mem["kv_pages_total"] and \
-                    mem["req_slots_free"] == mem["req_slots_total"]:
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"pools not full after flush_cache: {mem}")
+            return mem["kv_pages_free"] == mem["kv_pages_total"] and mem["req_slots_free"] == mem["req_slots_total"]
+        wait_until(full, timeout, step=0.2,
+                   what=lambda: f"pools full after flush_cache (memory: {self.state()['memory']})")
+
+    def finished(self, finish: str | None = None) -> float:
+        """Requests this server has finished (with `finish`: only those that ended so, e.g. "abort")."""
+        labels = {"finish": finish} if finish else {}
+        return metric_value(self.client.get("/metrics").text, "pdserve:requests_total", **labels)
 
     # ---- stopping -----------------------------------------------------------------
     def terminate(self) -> tuple[bool, set[int]]:
@@ -194,12 +199,9 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         # Children get a moment to notice their parent is gone.
-        deadline = time.monotonic() + 5.0
-        alive = {p for p in children if pid_alive(p)}
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.1)
-            alive = {p for p in alive if pid_alive(p)}
-        return graceful, alive
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: not any(pid_alive(p) for p in children), 5.0, step=0.1)
+        return graceful, {p for p in children if pid_alive(p)}
 
     def kill_all(self) -> None:
         """Last resort: SIGKILL the server and the children we saw it start."""
@@ -230,6 +232,29 @@ class ServerProcess:
                 os.unlink(self.log.name)
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float, output: Callable[[], str],
+                       what: str) -> None:
+    """Until GET `url`/health answers 200: AssertionError after `timeout`, RuntimeError with
+    `output()` (the process's log) as soon as `proc` exits."""
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready:\n{output()}")
+        return httpx.get(url + "/health", timeout=2.0).status_code == 200
+    wait_until(healthy, timeout, step=0.2, ignore=(httpx.HTTPError,), what=f"{what} healthy at {url}")
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the Prometheus samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
 def scheduler_pid(info: dict[str, Any]) -> int | None:
     pid = info.get("scheduler_pid")
     if pid is None:
@@ -251,6 +276,37 @@ def start_server() -> Iterator[Callable[..., ServerProcess]]:
     for s in servers:
         if s.proc.poll() is None:
             s.close()
+
+
+@pytest.fixture(scope="module")
+def server_flags() -> tuple[str, ...]:
+    """The command-line flags of the module's `server`; a test module overrides this
+    fixture to start its server otherwise."""
+    return ("--max-total-tokens", str(MAX_TOTAL_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def server_api_key() -> str | None:
+    """The --api-key of the module's `server` (overridable like `server_flags`)."""
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(start_server, llama_dir, server_flags, server_api_key) -> Iterator[ServerProcess]:
+    """One server on the tiny llama for the whole test module."""
+    s = start_server(llama_dir, *server_flags, api_key=server_api_key)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir) -> Iterator[Any]:
+    """The offline Engine on the model and pool size of `server`: the reference."""
+    from pdserve import Engine
+
+    e = Engine(model_path=str(llama_dir), max_total_tokens=MAX_TOTAL_TOKENS)
+    yield e
+    e.shutdown()
 
 
 def assert_openai_error(r: httpx.Response, status: int = 400, fields: tuple[str, ...] = ()) -> dict:

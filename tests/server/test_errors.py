@@ -15,11 +15,13 @@ CONTEXT = 1024  # max_position_embeddings of the tiny models
 
 
 @pytest.fixture(scope="module")
-def server(start_server, llama_dir):
-    s = start_server(llama_dir, "--max-total-tokens", "8192", "--served-model-name", NAME,
-                     "--max-n", str(MAX_N), api_key=API_KEY)
-    yield s
-    s.close()
+def server_flags():
+    return ("--max-total-tokens", "8192", "--served-model-name", NAME, "--max-n", str(MAX_N))
+
+
+@pytest.fixture(scope="module")
+def server_api_key():
+    return API_KEY
 
 
 @pytest.fixture

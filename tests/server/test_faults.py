@@ -14,28 +14,10 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.conftest import GREEDY, random_prompts
-from tests.server.conftest import parse_sse_lines, pid_alive, scheduler_pid
-
-MAX_TOTAL_TOKENS = 8192
-
-
-@pytest.fixture(scope="module")
-def server(start_server, llama_dir):
-    s = start_server(llama_dir, "--max-total-tokens", str(MAX_TOTAL_TOKENS))
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    from pdserve import Engine
-
-    e = Engine(model_path=str(llama_dir), max_total_tokens=MAX_TOTAL_TOKENS)
-    yield e
-    e.shutdown()
+from tests.server.conftest import parse_sse_lines, pid_alive, read_data_events, scheduler_pid
+from tests.waiting import wait_until
 
 
 def long_stream_requests(model: str):
@@ -54,6 +36,7 @@ def long_stream_requests(model: str):
 # ---- disconnect ------------------------------------------------------------------------
 def test_disconnect_aborts_and_frees_kv(server, llama_dir):
     server.assert_pools_full()
+    aborts = server.finished("abort")
     with contextlib.ExitStack() as stack:
         streams = []
         for path, body in long_stream_requests(str(llama_dir)):
@@ -63,24 +46,13 @@ def test_disconnect_aborts_and_frees_kv(server, llama_dir):
             streams.append(r.iter_lines())
         # Read a few events from each so every request is running.
         for lines in streams:
-            got = 0
-            for line in lines:
-                if line.startswith("data:"):
-                    got += 1
-                    if got == 3:
-                        break
-            assert got == 3
+            assert read_data_events(lines, 3) == 3
         st = server.state()
         assert st["num_running_reqs"] + st["num_waiting_reqs"] == 3, st
-    # The connections are closed: the requests (960 tokens each) must stop now.
-    t0 = time.monotonic()
-    deadline = t0 + 5.0
-    while True:
-        st = server.state()
-        if st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0:
-            break
-        assert time.monotonic() < deadline, f"requests still running 5s after disconnect: {st}"
-        time.sleep(0.1)
+    # The connections are closed: the requests (960 tokens each) must stop now, as aborts
+    # (not run out to their length).
+    wait_until(lambda: server.finished("abort") == aborts + 3, 10.0,
+               what=lambda: f"3 aborts after the disconnects (state: {server.state()})")
     server.assert_pools_full()
 
 
@@ -102,6 +74,16 @@ def burst_plan():
     return plan
 
 
+async def stream_events(client: httpx.AsyncClient, path: str, body: dict, i: int) -> list:
+    """The events of a streamed request, which must end with [DONE]."""
+    async with client.stream("POST", path, json=dict(body, stream=True)) as r:
+        assert r.status_code == 200, (i, r.status_code)
+        lines = [line async for line in r.aiter_lines()]
+    events, done = parse_sse_lines(lines)
+    assert done, i
+    return events
+
+
 async def run_one(client: httpx.AsyncClient, model: str, item: dict) -> dict:
     kind, ids, n = item["kind"], item["ids"], item["max_tokens"]
     if kind.startswith("completions"):
@@ -112,11 +94,7 @@ async def run_one(client: httpx.AsyncClient, model: str, item: dict) -> dict:
             d = r.json()
             return {"id": d["id"], "text": d["choices"][0]["text"],
                     "completion_tokens": d["usage"]["completion_tokens"]}
-        async with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
-            assert r.status_code == 200, (item["i"], r.status_code)
-            lines = [line async for line in r.aiter_lines()]
-        events, done = parse_sse_lines(lines)
-        assert done, item["i"]
+        events = await stream_events(client, "/v1/completions", body, item["i"])
         assert len({e["id"] for e in events}) == 1
         return {"id": events[0]["id"], "text": "".join(e["choices"][0]["text"] for e in events
                                                        if e.get("choices"))}
@@ -127,12 +105,7 @@ async def run_one(client: httpx.AsyncClient, model: str, item: dict) -> dict:
         d = r.json()
         return {"id": d["meta_info"]["id"], "text": d["text"], "output_ids": d["output_ids"],
                 "completion_tokens": d["meta_info"]["completion_tokens"]}
-    async with client.stream("POST", "/generate", json=dict(body, stream=True)) as r:
-        assert r.status_code == 200, (item["i"], r.status_code)
-        lines = [line async for line in r.aiter_lines()]
-    events, done = parse_sse_lines(lines)
-    assert done, item["i"]
-    last = events[-1]
+    last = (await stream_events(client, "/generate", body, item["i"]))[-1]
     return {"id": last["meta_info"]["id"], "text": last["text"],
             "completion_tokens": last["meta_info"]["completion_tokens"]}
 
@@ -168,8 +141,8 @@ def test_burst_of_concurrent_requests(server, engine, llama_dir):
 
 
 # ---- scheduler death -------------------------------------------------------------------------
-def test_scheduler_killed_gives_errors_not_hangs(start_server, llama_dir):
-    s = start_server(llama_dir, "--max-total-tokens", str(MAX_TOTAL_TOKENS))
+def test_scheduler_killed_gives_errors_not_hangs(start_server, llama_dir, server_flags):
+    s = start_server(llama_dir, *server_flags)
     try:
         info = s.info()
         sp = scheduler_pid(info)
@@ -207,10 +180,8 @@ def test_scheduler_killed_gives_errors_not_hangs(start_server, llama_dir):
         for t in threads:
             t.start()
         assert started.wait(30), "stream never started"
-        deadline = time.monotonic() + 10
-        while s.state()["num_running_reqs"] < 2:
-            assert time.monotonic() < deadline, s.state()
-            time.sleep(0.05)
+        wait_until(lambda: s.state()["num_running_reqs"] >= 2, 10.0,
+                   what=lambda: f"both requests running (state: {s.state()})")
         s.remember_pids()
         t_kill = time.monotonic()
         os.kill(sp, signal.SIGKILL)
@@ -230,13 +201,8 @@ def test_scheduler_killed_gives_errors_not_hangs(start_server, llama_dir):
         assert any("error" in e for e in events), events[-3:]
         assert res["stream_end"] - t_kill < 12
 
-        deadline = time.monotonic() + 10
-        while True:
-            code = httpx.get(s.url + "/health", timeout=5.0).status_code
-            if code == 503:
-                break
-            assert time.monotonic() < deadline, f"/health still {code} after the scheduler died"
-            time.sleep(0.2)
+        wait_until(lambda: httpx.get(s.url + "/health", timeout=5.0).status_code == 503, 10.0, step=0.2,
+                   what="/health 503 after the scheduler died")
         r = httpx.get(s.url + "/health_generate", timeout=15.0)
         assert r.status_code == 503, (r.status_code, r.text[:300])
         # A new request fails at once too.
@@ -253,8 +219,8 @@ def test_scheduler_killed_gives_errors_not_hangs(start_server, llama_dir):
 
 
 # ---- shutdown ----------------------------------------------------------------------------------
-def test_sigterm_leaves_no_process(start_server, llama_dir):
-    s = start_server(llama_dir, "--max-total-tokens", str(MAX_TOTAL_TOKENS))
+def test_sigterm_leaves_no_process(start_server, llama_dir, server_flags):
+    s = start_server(llama_dir, *server_flags)
     try:
         info = s.info()
         pids = set(info["pids"])
@@ -274,10 +240,7 @@ def test_sigterm_leaves_no_process(start_server, llama_dir):
 
         t = threading.Thread(target=inflight, daemon=True)
         t.start()
-        deadline = time.monotonic() + 10
-        while s.state()["num_running_reqs"] == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: s.state()["num_running_reqs"] > 0, 10.0, what="the request in flight running")
         known = s.remember_pids()
         assert pids <= known | pids
         graceful, alive = s.terminate()

@@ -5,34 +5,16 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import GREEDY, random_prompts
-from tests.server.conftest import parse_sse_lines, pid_alive, scheduler_pid
+from tests.server.conftest import MAX_TOTAL_TOKENS, parse_sse_lines, pid_alive, scheduler_pid
+from tests.waiting import wait_until
 
-MAX_TOTAL_TOKENS = 8192
 TEXTS = ["The quick brown fox", "Hello, my name is", "1, 2, 3, 4,"]
 IDS = random_prompts(3, 5, 40, seed=3)
-
-
-@pytest.fixture(scope="module")
-def server(start_server, llama_dir):
-    s = start_server(llama_dir, "--max-total-tokens", str(MAX_TOTAL_TOKENS))
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    from pdserve import Engine
-
-    e = Engine(model_path=str(llama_dir), max_total_tokens=MAX_TOTAL_TOKENS)
-    yield e
-    e.shutdown()
 
 
 def post(server, path, body, **kw):
@@ -240,22 +222,15 @@ def test_metrics(server):
     params = dict(GREEDY, max_new_tokens=5)
     out = post(server, "/generate", {"input_ids": IDS[1], "sampling_params": params})
     assert out["meta_info"]["completion_tokens"] == 5
-    deadline = time.monotonic() + 5
-    while True:
+    # At least this much more of each, once the request is counted.
+    want = {"pdserve:prompt_tokens_total": len(IDS[1]), "pdserve:generation_tokens_total": 5,
+            "pdserve:e2e_request_latency_seconds_count": 1, "pdserve:time_to_first_token_seconds_count": 1}
+
+    def grown() -> dict:
         _, after = scrape(server)
-        d_prompt = after["pdserve:prompt_tokens_total"] - before.get("pdserve:prompt_tokens_total", 0)
-        d_gen = after["pdserve:generation_tokens_total"] - before.get("pdserve:generation_tokens_total", 0)
-        d_e2e = after.get("pdserve:e2e_request_latency_seconds_count", 0) - \
-            before.get("pdserve:e2e_request_latency_seconds_count", 0)
-        if (d_prompt >= len(IDS[1]) and d_gen >= 5 and d_e2e >= 1) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert d_prompt >= len(IDS[1]), (before, after)
-    assert d_gen >= 5, (before, after)
-    assert d_e2e >= 1, (before, after)
-    ttft = after.get("pdserve:time_to_first_token_seconds_count", 0) - \
-        before.get("pdserve:time_to_first_token_seconds_count", 0)
-    assert ttft >= 1
+        return {name: after.get(name, 0) - before.get(name, 0) for name in want}
+    wait_until(lambda: all(d >= want[name] for name, d in grown().items()), 10.0, step=0.2,
+               what=lambda: f"metrics grown by {want} (grew by {grown()})")
 
 
 # ---- abort ---------------------------------------------------------------------------------------
@@ -278,10 +253,13 @@ def test_abort_request(server):
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    deadline = time.monotonic() + 30
-    while len([x for x in result.get("lines", []) if x.startswith("data:")]) < 3:
-        assert time.monotonic() < deadline and t.is_alive(), result
-        time.sleep(0.05)
+
+    def three_events() -> bool:
+        if len([x for x in result.get("lines", []) if x.startswith("data:")]) >= 3:
+            return True
+        assert t.is_alive(), result
+        return False
+    wait_until(three_events, 30.0, what=lambda: f"3 events of the stream ({result})")
     r = server.client.post("/abort_request", json={"rid": rid})
     assert r.status_code == 200, r.text
     t.join(15)
@@ -305,13 +283,14 @@ def test_abort_non_streaming_request(server):
                        json={"text": "x", "rid": rid, "sampling_params": dict(GREEDY, max_new_tokens=600)})
         result["status"], result["body"] = r.status_code, r.text
 
+    def generated() -> float:
+        return scrape(server)[1]["pdserve:generation_tokens_total"]
+    gen0 = generated()
     t = threading.Thread(target=call, daemon=True)
     t.start()
-    deadline = time.monotonic() + 20
-    while server.state()["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline, "request never started running"
-        time.sleep(0.05)
-    time.sleep(0.3)
+    # Abort it mid-generation: running, its first tokens out (600 take about a second).
+    wait_until(lambda: server.state()["num_running_reqs"] > 0 and generated() > gen0, 20.0,
+               step=0.02, what="the request running and generating")
     assert server.client.post("/abort_request", json={"rid": rid}).status_code == 200
     t.join(15)
     assert not t.is_alive(), "request did not end after /abort_request"

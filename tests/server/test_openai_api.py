@@ -10,18 +10,10 @@ import pytest
 
 from tests.conftest import random_prompts
 
-MAX_TOTAL_TOKENS = 8192
 PROMPT = "The quick brown fox"
 PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3, 4,"]
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 IGNORE_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def server(start_server, llama_dir):
-    s = start_server(llama_dir, "--max-total-tokens", str(MAX_TOTAL_TOKENS))
-    yield s
-    s.close()
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +27,6 @@ def client(server):
 def model(llama_dir):
     # Without --served-model-name the model is named by its path.
     return str(llama_dir)
-
-
-@pytest.fixture(scope="module")
-def engine(llama_dir):
-    from pdserve import Engine
-
-    e = Engine(model_path=str(llama_dir), max_total_tokens=MAX_TOTAL_TOKENS)
-    yield e
-    e.shutdown()
 
 
 def chat_prompt(engine, messages):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.req import samples_from_message
 from pdserve.speculative.eagle_worker import DraftTree
 from pdserve.testing import build_random_draft, build_random_model
 
@@ -210,10 +211,9 @@ def test_oracle_tree_is_fully_accepted_and_finishes_inside_a_run(make_engine, ta
     orig_group = engine.builder.group
 
     def group(ids, p, *a, **k):  # remember each request's true continuation by rid
-        reqs = orig_group(ids, p, *a, **k)
-        for r in reqs:
-            truth[r.rid] = ref[[tuple(x) for x in ps].index(tuple(ids))]["output_ids"]
-        return reqs
+        msg = orig_group(ids, p, *a, **k)
+        truth[msg.rid] = ref[[tuple(x) for x in ps].index(tuple(ids))]["output_ids"]
+        return msg
     engine.builder.group = group
     worker.propose = oracle_propose(worker, truth, steps)
     got = engine.generate(input_ids=ps, sampling_params=GREEDY)
@@ -272,7 +272,8 @@ def test_incremental_kv_equals_recomputation(make_engine, target, drafts):
         engine = make_engine(target, **spec(drafts, algo, (3, 2, 6)), page_size=4)
         fresh = make_engine(target, **spec(drafts, algo, (3, 2, 6)), page_size=4)
         sched, ref_sched = engine._scheduler, fresh._scheduler
-        reqs = [engine.builder.group(p, SamplingParams.from_dict(GREEDY), False, 0)[0] for p in ps]
+        reqs = [samples_from_message(engine.builder.group(p, SamplingParams.from_dict(GREEDY), False, 0))[0]
+                for p in ps]
         # Trees holding the true continuation on a later branch: every round accepts
         # drafts whose KV must be moved into place.
         sched.spec.propose = oracle_propose(sched.spec, {r.rid: o["output_ids"] for r, o in zip(reqs, ref)}, 3)
@@ -285,16 +286,17 @@ def test_incremental_kv_equals_recomputation(make_engine, target, drafts):
                 continue  # a prefill step
             rounds += 1
             for r in sched.running:
-                probe = fresh.builder.group(r.fill_ids[: r.kv_len], SamplingParams.from_dict(GREEDY), False, 0)[0]
+                probe = samples_from_message(
+                    fresh.builder.group(r.fill_ids[: r.kv_len], SamplingParams.from_dict(GREEDY), False, 0))[0]
                 ref_sched.add(probe)
                 ref_sched.step()
                 assert probe.output_ids == [r.output_ids[-1]]  # the same next token
-                a = sched.req_table.table[r.row, : r.kv_len]
-                b = ref_sched.req_table.table[probe.row, : r.kv_len]
-                for layer in range(len(sched.kv_pool.k)):
-                    torch.testing.assert_close(sched.kv_pool.k[layer][a], ref_sched.kv_pool.k[layer][b],
+                a = sched.kv.req_table.table[r.row, : r.kv_len]
+                b = ref_sched.kv.req_table.table[probe.row, : r.kv_len]
+                for layer in range(len(sched.kv.kv_pool.k)):
+                    torch.testing.assert_close(sched.kv.kv_pool.k[layer][a], ref_sched.kv.kv_pool.k[layer][b],
                                                atol=1e-4, rtol=1e-4)
-                    torch.testing.assert_close(sched.kv_pool.v[layer][a], ref_sched.kv_pool.v[layer][b],
+                    torch.testing.assert_close(sched.kv.kv_pool.v[layer][a], ref_sched.kv.kv_pool.v[layer][b],
                                                atol=1e-4, rtol=1e-4)
                 assert r.draft_len == r.kv_len
                 torch.testing.assert_close(sched.spec.draft_pool.k[0][a], ref_sched.spec.draft_pool.k[0][b],

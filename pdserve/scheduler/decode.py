@@ -1,0 +1,197 @@
+"""The decode server's scheduler: reserves KV, receives it, decodes.
+
+A request (each sample in its own room) is QUEUED while its prefill server is
+connected in the background and until the pool can hold its prompt plus growth
+(it queues, not fails, when the pool is full). It then reserves KV for its whole
+prompt, asks the prefill server for it and is TRANSFERRING until the handoff
+record arrives; it joins the running batch with the first token from the record
+and decodes like any colocated request (retracted under memory pressure,
+recomputed later). With speculative decoding the prefill server also sends the
+target features of every position and decode builds the draft state itself,
+exactly as a colocated prefill would; the sender's draft KV never travels, so a
+plain prefill server can feed a speculative decode server.
+
+A failed transfer ends its request at once, but its pages stay QUARANTINED until
+every prefill rank said no write of its can still land there (or the transfer
+deadline passed): a late write must never hit another request's KV.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Callable
+
+from pdserve.config import ServerArgs
+from pdserve.disagg import protocol as P
+from pdserve.disagg.manager import DecodeTransferManager, LinkConfig
+from pdserve.disagg.rooms import RoomState
+from pdserve.model.parallel import TPGroup
+from pdserve.model.runner import ModelRunner
+from pdserve.scheduler.batch import Draws, StepOutput
+from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
+                                       kv_layout, register_buffers, split_samples)
+from pdserve.scheduler.kv_manager import pages_for
+from pdserve.scheduler.req import FinishKind, FinishReason, Req
+from pdserve.scheduler.scheduler import Scheduler, _too_big
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeScheduler(Scheduler):
+    def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
+                 engine: object, fetch_ranks: Callable[[str], list[P.RankInfo]], tp: TPGroup = TPGroup(),
+                 host: str = "127.0.0.1", link: LinkConfig = LinkConfig()) -> None:
+        super().__init__(args, runner, decode_text, tp)
+        layout = kv_layout(self, with_features=True)
+        register_buffers(engine, layout)
+        self.manager = DecodeTransferManager(engine, compat_record(self), layout, tp.rank, tp.size,  # type: ignore
+                                             list(layout.names), host=host, cfg=link,
+                                             feature_layers=self.spec.capture_layers if self.spec else ())
+        self.fetch_ranks = fetch_ranks
+        self.handoffs = HandoffTable(tp)
+        self._hold_decode = False  # this step committed first tokens: publish them before decoding
+
+    # ---- requests -------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        samples = split_samples(req)
+        if any(s.bootstrap_room is None or s.bootstrap_host is None for s in samples):
+            raise ValueError("bootstrap_room: a decode server needs bootstrap_host / bootstrap_port / "
+                             "bootstrap_room for every sample")
+        rooms = [s.bootstrap_room for s in samples]
+        for room in rooms:
+            if room in self.handoffs or rooms.count(room) > 1:
+                raise ValueError(f"bootstrap_room: {room} is already in use by a live request")
+        req.pending_forks = []  # (only now: if add() raises, the caller fails every sample)
+        for sample in samples:
+            url = f"http://{sample.bootstrap_host}:{sample.bootstrap_port}"
+            self.manager.request_connect(url, functools.partial(self.fetch_ranks, url))
+            self.handoffs.add(Handoff(sample, sample.bootstrap_room, Phase.QUEUED, peer_url=url))  # type: ignore
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> list[Req]:
+        out = []
+        for h in self.handoffs:
+            if h.req.rid != rid:
+                continue
+            if h.phase is Phase.QUEUED:
+                self.handoffs.remove(h)
+                out += self.finish(h.req, FinishReason(FinishKind.ABORT, message=message))
+            elif h.phase is Phase.TRANSFERRING:
+                self.manager.abort(h.room, message)
+                out += self._quarantine(h, message, server_error=False)
+        return out + super().abort(rid, message)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.handoffs) or super().has_work
+
+    # ---- step hooks -------------------------------------------------------------------
+    def poll_external(self, out: StepOutput) -> None:
+        """Free quarantined pages that are safe, commit arrived transfers, then admit
+        queued requests (in that order: each frees room for the next)."""
+        self.manager.expire()
+        agreed = self.handoffs.agree(self._readiness)
+        for h, ready in agreed:
+            if h.phase is Phase.QUARANTINED and ready is Readiness.DONE:
+                self.kv.drop(h.held_pages)  # type: ignore[arg-type]
+                self.handoffs.remove(h)
+                self.manager.release(h.room)
+        committed = False
+        for h, ready in agreed:
+            if h.phase is Phase.TRANSFERRING and ready is Readiness.DONE:
+                self._commit(h, out)
+                committed = True
+            elif h.phase is Phase.TRANSFERRING and ready is Readiness.FAILED:
+                state, _, reason = self.manager.poll(h.room)
+                if state is not RoomState.FAILED:  # another rank's transfer failed
+                    reason = "KV transfer failed on another tensor-parallel rank"
+                    self.manager.abort(h.room, reason)
+                out.finished += self._quarantine(h, reason or "transfer failed")
+        self._admit_transfers([(h, r) for h, r in agreed if h.phase is Phase.QUEUED], out)
+        # Publish committed first tokens now (their TTFT); the running batch takes its
+        # decode step on the very next step (never held twice in a row, so a stream of
+        # arrivals cannot starve it).
+        self._hold_decode = committed and not self._hold_decode
+
+    def may_decode(self) -> bool:
+        return not self._hold_decode
+
+    def _readiness(self, h: Handoff) -> Readiness:
+        if h.phase is Phase.QUEUED:
+            state = self.manager.connection(h.peer_url)[0]
+            return {"ok": Readiness.DONE, "failed": Readiness.FAILED}.get(state, Readiness.WAITING)
+        if h.phase is Phase.TRANSFERRING:
+            state = self.manager.poll(h.room)[0]
+            return {RoomState.SUCCESS: Readiness.DONE, RoomState.FAILED: Readiness.FAILED}.get(
+                state, Readiness.WAITING)
+        safe = self.manager.safe_to_free(h.room) or time.monotonic() > h.release_at
+        return Readiness.DONE if safe else Readiness.WAITING
+
+    def _admit_transfers(self, queued: list[tuple[Handoff, Readiness]], out: StepOutput) -> None:
+        """Reserve KV for queued requests (prompt + growth) and ask for their KV."""
+        transferring = [h.req for h in self.handoffs if h.phase is Phase.TRANSFERRING]
+        reserve = self.growth_reserve(self.running + transferring)
+        for h, ready in queued:
+            req = h.req
+            if ready is Readiness.FAILED:
+                state, reason = self.manager.connection(h.peer_url)
+                self.handoffs.remove(h)
+                out.finished += self.finish(req, FinishReason(
+                    FinishKind.ABORT, message=str(reason) if state == "failed" else
+                    f"cannot reach the prefill server at {h.peer_url} (on another tensor-parallel rank)",
+                    server_error=True))
+                continue
+            if ready is Readiness.WAITING:
+                continue  # still connecting; the requests behind it may go first
+            n = len(req.prompt_ids)
+            need = pages_for(n, self.page_size)
+            growth = self.growth_reserve([req])
+            if self.kv.free_rows < 1 or need + growth > self.kv.available_pages - reserve:
+                if not self.running and not transferring and need > self.kv.capacity:
+                    self.handoffs.remove(h)
+                    out.finished += self.finish(req, _too_big(need, self.kv.capacity))
+                    continue
+                break  # queue, do not fail: pages come back as requests finish
+            # The slots are the request's from now on (released on any outcome);
+            # their KV becomes valid when the record arrives.
+            slots = self.kv.reserve(req, n)
+            reserve += growth
+            peers = self.manager.connection(h.peer_url)[1]
+            assert isinstance(peers, list)  # every rank reported the connection up
+            self.manager.add_room(h.room, peers, slots, want_features=self.spec is not None)
+            h.phase = Phase.TRANSFERRING
+            transferring.append(req)
+
+    def _commit(self, h: Handoff, out: StepOutput) -> None:
+        """The record arrived: the request has its whole prompt KV and first token."""
+        state, record, _ = self.manager.poll(h.room)
+        assert record is not None
+        self.handoffs.remove(h)
+        self.manager.release(h.room)
+        req = h.req
+        req.cached_tokens = record.cached_tokens
+        tops = record.top_logprobs
+        Draws([record.first_token], [record.logprob] if record.logprob is not None else None,
+              [[lp for lp, _ in tops]] if tops else None, [[t for _, t in tops]] if tops else None).append_to(req, 0)
+        self.settle(req, out, joining=True)
+        if req.finish is None:
+            req.draft_len = 0
+            self.decoding.prefilled([req])  # the draft state, from the transferred features
+
+    def _quarantine(self, h: Handoff, reason: str, server_error: bool = True) -> list[Req]:
+        """End a request whose transfer failed; keep its pages out of use until no
+        write of prefill's can still land there (or the transfer deadline passed)."""
+        h.held_pages = self.kv.hold(h.req)
+        h.release_at = time.monotonic() + self.args.disaggregation_transfer_timeout
+        h.phase = Phase.QUARANTINED
+        return self.finish(h.req, FinishReason(FinishKind.ABORT, message=reason, server_error=server_error))
+
+    # ---- inspection -------------------------------------------------------------------
+    def state(self) -> dict[str, object]:
+        queued, transferring = self.handoffs.count(Phase.QUEUED), self.handoffs.count(Phase.TRANSFERRING)
+        return add_pd_state(super().state(), "decode", queued, transferring, self.manager.rooms, queued=queued,
+                            transferring=transferring, quarantined=self.handoffs.count(Phase.QUARANTINED))
+
+    def close(self) -> None:
+        self.manager.close()

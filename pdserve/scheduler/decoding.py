@@ -1,0 +1,57 @@
+"""Plain decoding: the decode strategy of a scheduler without a draft model.
+
+A decode strategy is chosen once, when the scheduler is built (EAGLE's lives in
+``pdserve.speculative.decoding``). It plans one decode step for the running batch
+and processes its logits; the scheduler's skeleton calls it and owns everything
+else (admission, stop checks, releasing).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.model.runner import ForwardInput
+from pdserve.scheduler.batch import ScheduledBatch, StepOutput, draw
+from pdserve.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from pdserve.scheduler.scheduler import Scheduler
+
+
+class PlainDecoding:
+    room = 1  # positions one step adds past a request's KV
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self.sched = sched
+
+    def plan(self, out: StepOutput) -> ScheduledBatch | None:
+        """One token for every running request (retracting some first if the pool
+        cannot hold that)."""
+        sched = self.sched
+        sched.make_decode_room(out)
+        reqs = list(sched.running)
+        if not reqs:
+            return None
+        rows, pos = sched.kv.grow_by_one(reqs)
+        fwd = ForwardInput(
+            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=sched.device),
+            rows=rows, prefix_lens=pos, extend_lens=torch.ones_like(pos),
+            sample_index=torch.arange(len(reqs), device=sched.device),
+            decode_keys=[sched.kv.req_table.key(r.row) for r in reqs],
+        )
+        for r in reqs:
+            r.kv_len += 1
+        return ScheduledBatch("decode", reqs, fwd, sampling_reqs=reqs, sampling_rows=list(range(len(reqs))))
+
+    def process(self, batch: ScheduledBatch, logits: torch.Tensor, out: StepOutput) -> None:
+        sched = self.sched
+        reqs = batch.sampling_reqs
+        draws = draw(logits, reqs, reqs, sched.vocab_size, sched.eos_ids, sched.tp)
+        for i, req in enumerate(reqs):
+            draws.append_to(req, i)
+            sched.settle(req, out, joining=False)
+
+    def prefilled(self, reqs: list[Req]) -> None:
+        """Requests whose prompt (or recomputed prefix) was just prefilled."""

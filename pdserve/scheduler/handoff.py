@@ -1,0 +1,142 @@
+"""What the prefill and decode schedulers share: one record per PD request, the
+table of them, the TP ranks' agreement on their rooms, and the KV layout this rank
+publishes for transfers.
+
+A disaggregated request (one sample: every sample has its own room) is a
+``Handoff`` from the moment the scheduler accepts it until it holds nothing any
+more: its room, its phase, and what the phase needs (the prefill server's address,
+the positions already queued for transfer, the pages held after a failure). The
+scheduler's queues (waiting, running) hold only the ``Req`` while it computes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+
+from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, KVLayout, kv_head_range
+from pdserve.model.parallel import TPGroup
+from pdserve.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from pdserve.scheduler.scheduler import Scheduler
+
+
+class Phase(enum.Enum):
+    # prefill server
+    BOOTSTRAPPING = "bootstrapping"  # waiting for decode to say where the KV goes
+    COMPUTING = "computing"          # being prefilled (waiting or chunked); KV sent as it is written
+    INFLIGHT = "inflight"            # first token drawn, record queued behind the last write
+    # decode server
+    QUEUED = "queued"                # connecting to its prefill server / waiting for KV room
+    TRANSFERRING = "transferring"    # KV reserved and asked for; waiting for the record
+    QUARANTINED = "quarantined"      # failed; its pages wait until no write can still land
+
+
+class Readiness(enum.IntEnum):
+    """A handoff's condition as one TP rank sees it. The ranks act on the minimum over
+    ranks, so a request moves on only when every rank is ready and fails when any rank
+    failed (the ranks' schedulers must stay identical: they share no other state)."""
+    FAILED = 0
+    WAITING = 1
+    DONE = 2
+
+
+@dataclass(eq=False)
+class Handoff:
+    req: Req
+    room: int
+    phase: Phase
+    peer_url: str = ""                    # decode: the prefill server's bootstrap address
+    sent: int = 0                         # prefill: prompt positions queued for transfer
+    held_pages: torch.Tensor | None = None  # decode, quarantined: pages kept out of use
+    release_at: float = 0.0               # decode, quarantined: freed then at the latest
+
+
+class HandoffTable:
+    """The live handoffs of one scheduler by room, in arrival order (the same order on
+    every TP rank: they receive the same commands)."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+        self._by_room: dict[int, Handoff] = {}
+
+    def add(self, h: Handoff) -> None:
+        assert h.room not in self._by_room
+        self._by_room[h.room] = h
+
+    def remove(self, h: Handoff) -> None:
+        del self._by_room[h.room]
+
+    def get(self, room: int | None) -> Handoff | None:
+        return self._by_room.get(room) if room is not None else None
+
+    def __contains__(self, room: int) -> bool:
+        return room in self._by_room
+
+    def __iter__(self) -> Iterator[Handoff]:
+        return iter(list(self._by_room.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_room)
+
+    def count(self, phase: Phase) -> int:
+        return sum(1 for h in self._by_room.values() if h.phase is phase)
+
+    def agree(self, readiness: Callable[[Handoff], Readiness]) -> list[tuple[Handoff, Readiness]]:
+        """Every handoff with its readiness agreed by all TP ranks (one collective)."""
+        items = list(self._by_room.values())
+        codes = [int(readiness(h)) for h in items]
+        if self.tp.enabled and codes:
+            codes = self.tp.all_reduce_min(torch.tensor(codes, dtype=torch.int64)).tolist()
+        return [(h, Readiness(c)) for h, c in zip(items, codes)]
+
+
+def add_pd_state(st: dict[str, object], mode: str, waiting: int, running: int, rooms: Any,
+                 **extra: object) -> dict[str, object]:
+    """A PD scheduler's state(): its handoffs counted as waiting or running requests, and
+    the transfer side's rooms (``rooms``: the manager's RoomTable)."""
+    st["num_waiting_reqs"] += waiting  # type: ignore[operator]
+    st["num_running_reqs"] += running  # type: ignore[operator]
+    st["disaggregation"] = {"mode": mode, **extra, "rooms": rooms.counts(), "failures": dict(rooms.failures)}
+    return st
+
+
+def split_samples(req: Req) -> list[Req]:
+    """A request's n samples as independent requests. Across the split every sample
+    has its own room: prefill computes each one's first token (its draw is the one
+    a colocated fork would make: sampling noise depends on the sample's seed and
+    position only) and sends it the whole prompt KV; decode runs each on its own."""
+    return [req] + req.pending_forks
+
+
+def compat_record(sched: "Scheduler") -> CompatRecord:
+    cfg, runner = sched.runner.config, sched.runner
+    spec = sched.spec
+    return CompatRecord(
+        protocol_version=PROTOCOL_VERSION, architecture=cfg.architecture, num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, kv_dtype=str(runner.kv_dtype).replace("torch.", ""),
+        page_size=sched.page_size, vocab_size=cfg.vocab_size,
+        speculative_algorithm=spec.algorithm if spec is not None else None,
+        feature_width=spec.config.feature_width if spec is not None else 0, tp_size=sched.tp.size)
+
+
+def kv_layout(sched: "Scheduler", with_features: bool) -> KVLayout:
+    """The named buffers of this rank: target KV (head-sharded) and, with a draft,
+    the target-feature pool (one row per slot)."""
+    heads = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
+    specs = []
+    for name, t in sched.kv.kv_pool.buffers().items():
+        specs.append(BufferSpec(name, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size(), heads))
+    if with_features and sched.spec is not None:
+        f = sched.spec.features
+        specs.append(BufferSpec("features", f.data_ptr(), f.shape[0], f[0].numel() * f.element_size()))
+    return KVLayout(sched.page_size, tuple(specs))
+
+
+def register_buffers(engine: object, layout: KVLayout) -> None:
+    for b in layout.buffers:
+        engine.register(b.ptr, b.num_slots * b.slot_bytes)  # type: ignore[attr-defined]

@@ -1,0 +1,276 @@
+"""The one owner of a scheduler rank's KV bookkeeping.
+
+It holds the page allocator, the request table (row -> position -> slot), the
+target KV pool and the prefix cache, and is the only code that moves pages
+between them: attaching a cached prefix, giving positions slots, forking
+samples, compacting a speculative round, holding a failed transfer's pages,
+releasing a request. Schedulers (colocated, prefill, decode) decide *when*;
+this class decides *which pages* and keeps the reference counts right.
+
+Invariant: every page a request's row points at below ``kv_len`` (and up to the
+page holding its last assigned slot) is held once by that request; a cached
+prefix is additionally held by its radix node.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from pdserve.config import ServerArgs
+from pdserve.model.parallel import TPGroup
+from pdserve.model.runner import ModelRunner
+from pdserve.scheduler.memory import PageAllocator, ReqToTokenPool, TokenToKVPool
+from pdserve.scheduler.radix_cache import ChunkCache, PrefixMatch, RadixCache
+from pdserve.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class SlotFollower(Protocol):
+    """A per-slot pool that moves with the target KV (the draft features)."""
+
+    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+
+
+def size_kv_pages(args: ServerArgs, runner: ModelRunner, tp: TPGroup) -> int:
+    """Pages of the KV pool, the padding page included (every TP rank gets the same)."""
+    cfg = runner.config
+    per_token = TokenToKVPool.bytes_per_token(cfg.num_layers, runner.num_local_kv_heads, cfg.head_dim,
+                                              runner.kv_dtype)
+    if args.max_total_tokens is not None:
+        tokens = args.max_total_tokens
+    else:
+        if runner.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(runner.device)
+            budget = free * args.mem_fraction_static
+        else:
+            budget = args.cpu_kv_budget_gb * (1 << 30) * args.mem_fraction_static
+        # No point holding more than every request slot filled to the context.
+        tokens = min(int(budget // per_token), args.max_running_requests * runner.context_len)
+    pages = tokens // args.page_size
+    if tp.enabled:  # ranks must agree on the pool size: the smallest fits every rank
+        pages = int(tp.all_reduce_min(torch.tensor([pages]))[0])
+    logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", pages, args.page_size,
+                pages * args.page_size * per_token / 2**20)
+    return pages + 1  # + the padding page
+
+
+class KVManager:
+    def __init__(self, args: ServerArgs, runner: ModelRunner, num_pages: int, decode_room: int) -> None:
+        cfg = runner.config
+        self.device = runner.device
+        self.page_size = args.page_size
+        self.allocator = PageAllocator(num_pages, self.page_size)
+        self.num_slots = num_pages * self.page_size
+        self.kv_pool = TokenToKVPool("target", cfg.num_layers, self.num_slots, runner.num_local_kv_heads,
+                                     cfg.head_dim, runner.kv_dtype, self.device)
+        # A speculative round's tree may reach past the context end; those positions
+        # are never committed (a request finishes at the context length).
+        self.req_table = ReqToTokenPool(args.max_running_requests, runner.context_len + decode_room, self.device)
+        self.cache: RadixCache | ChunkCache = (
+            ChunkCache(self.allocator) if args.disable_radix_cache else RadixCache(self.allocator))
+        self.followers: list[SlotFollower] = []
+        runner.bind_memory(self.kv_pool, self.req_table.table, self.num_slots)
+
+    # ---- capacity -----------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def available_pages(self) -> int:
+        """Pages an allocation can get now: free ones and unlocked cached ones."""
+        return self.allocator.num_free + self.cache.evictable_pages
+
+    @property
+    def free_rows(self) -> int:
+        return self.req_table.num_free
+
+    def growth_pages(self, req: Req, extra: int) -> int:
+        """Pages ``req`` needs to hold ``extra`` more positions."""
+        return pages_for(req.kv_len + extra, self.page_size) - pages_for(req.kv_len, self.page_size)
+
+    # ---- prefixes -------------------------------------------------------------------
+    def match(self, ids: list[int]) -> PrefixMatch:
+        """The longest cached prefix of ``ids``, locked until attached or unlocked."""
+        match = self.cache.match_prefix(ids)
+        self.cache.lock(match.node)
+        return match
+
+    def unlock(self, match: PrefixMatch) -> None:
+        self.cache.unlock(match.node)
+
+    def matched_len(self, ids: list[int]) -> int:
+        return self.cache.match_prefix(ids).slots.numel()
+
+    def attach(self, req: Req, match: PrefixMatch) -> int:
+        """Give a waiting request (and its pending forks) table rows and the matched
+        prefix; returns the number of cached positions."""
+        req.row = self.req_table.alloc()
+        for child in req.pending_forks:
+            child.row = self.req_table.alloc()
+        n = match.slots.numel()
+        if n:
+            self.req_table.table[req.row, :n] = match.slots.to(self.device)
+            self.allocator.retain(match.slots[::self.page_size] // self.page_size)
+        req.lock_node = match.node
+        req.kv_len = n
+        req.draft_len = 0  # the draft KV of a cached prefix is recomputed from its stored features
+        return n
+
+    # ---- slots ------------------------------------------------------------------------
+    def alloc_pages(self, n: int) -> torch.Tensor:
+        while self.allocator.num_free < n:
+            if self.cache.evict(n - self.allocator.num_free) == 0:
+                # Admission and decode-room checks make this unreachable; if it is
+                # reached, the accounting is wrong and must not be papered over.
+                raise RuntimeError(f"KV accounting error: need {n} pages, {self.allocator.num_free} free, "
+                                   f"{self.cache.evictable_pages} reported evictable")
+        return self.allocator.alloc(n)
+
+    def assign(self, req: Req, start: int, end: int) -> None:
+        """Give positions [start, end) of ``req`` KV slots (continuing its last page)."""
+        ps = self.page_size
+        assert req.row is not None
+        old_pages = pages_for(start, ps)
+        new_pages = self.alloc_pages(pages_for(end, ps) - old_pages).to(self.device)
+        pos = torch.arange(start, end, device=self.device)
+        page_idx = pos // ps
+        if old_pages:
+            last = self.req_table.table[req.row, (old_pages - 1) * ps] // ps
+            padded = torch.cat([last.view(1), new_pages])
+            page = padded[page_idx - (old_pages - 1)]
+        else:
+            page = new_pages[page_idx]
+        self.req_table.table[req.row, start:end] = page * ps + pos % ps
+
+    def reserve(self, req: Req, length: int) -> list[int]:
+        """A row and slots for positions [0, length) of a request whose KV will be
+        written from outside (a transfer); returns the slots."""
+        req.row = self.req_table.alloc()
+        self.assign(req, 0, length)
+        req.kv_len = length
+        return self.slots(req, 0, length)
+
+    def slots(self, req: Req, start: int, end: int) -> list[int]:
+        assert req.row is not None
+        return self.req_table.table[req.row, start:end].tolist()
+
+    def grow_by_one(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One more slot for each request (a decode step): returns (rows, positions)."""
+        ps, dev = self.page_size, self.device
+        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev)
+        pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev)
+        needs_page = [r.kv_len % ps == 0 for r in reqs]
+        pages = self.alloc_pages(sum(needs_page)).to(dev)
+        if ps == 1:
+            slots = pages
+        else:
+            slots = self.req_table.table[rows, (pos - 1).clamp(min=0)] + 1
+            slots[torch.tensor(needs_page, device=dev)] = pages * ps
+        self.req_table.table[rows, pos] = slots
+        return rows, pos
+
+    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.kv_pool.copy_slots(dst, src)
+        for f in self.followers:
+            f.copy_slots(dst, src)
+
+    def move_positions(self, req: Req, moves: list[tuple[int, int]]) -> None:
+        """Copy the KV of position ``src`` to position ``dst`` of ``req`` for each move
+        (a speculative round keeping the accepted path)."""
+        if not moves:
+            return
+        table = self.req_table.table[req.row]
+        dst = table[torch.tensor([d for d, _ in moves], device=self.device)]
+        src = table[torch.tensor([s for _, s in moves], device=self.device)]
+        self.copy_slots(dst, src)
+
+    def trim(self, req: Req, held_len: int) -> None:
+        """Release the pages past ``req.kv_len`` that positions up to ``held_len`` used."""
+        ps = self.page_size
+        keep, held = pages_for(req.kv_len, ps), pages_for(held_len, ps)
+        if held > keep:
+            tail = self.req_table.table[req.row, keep * ps: held * ps: ps] // ps
+            self.allocator.release(tail.cpu())
+
+    def fork(self, parent: Req, children: list[Req], own_last_position: bool) -> None:
+        """Start ``children`` on the parent's prompt KV: full pages are shared, a partial
+        last page is copied (each sample writes its own continuation). With
+        ``own_last_position`` the last prompt position always lives in a page of each
+        sample's own (its draft KV depends on the sample's first token)."""
+        ps, n = self.page_size, parent.kv_len
+        full = (n - 1) // ps * ps if own_last_position else n // ps * ps
+        shared = self.req_table.table[parent.row, :full]
+        # Cache the prompt now and lock it for every sample: whichever sample
+        # finishes first must not leave shared pages counted as evictable.
+        self.cache.insert(parent.fill_ids[:full], shared.cpu())
+        prompt_node = self.cache.match_prefix(parent.fill_ids[:full]).node
+        self.cache.lock(prompt_node)
+        self.cache.unlock(parent.lock_node)
+        parent.lock_node = prompt_node
+        for child in children:
+            assert child.row is not None
+            self.req_table.table[child.row, :full] = shared
+            self.allocator.retain(shared[::ps].cpu() // ps)
+            if full < n:
+                page = self.alloc_pages(1).to(self.device)
+                dst = page * ps + torch.arange(n - full, device=self.device)
+                self.copy_slots(dst, self.req_table.table[parent.row, full:n])
+                self.req_table.table[child.row, full:n] = dst
+            child.kv_len = n
+            child.draft_len = 0
+            child.cached_tokens = parent.cached_tokens
+            child.lock_node = prompt_node
+            self.cache.lock(prompt_node)
+
+    # ---- releasing ------------------------------------------------------------------------
+    def release(self, req: Req, cache_kv: bool) -> None:
+        """Give back everything ``req`` holds (its KV into the prefix cache when
+        ``cache_kv``); its never-forked samples' rows too."""
+        for child in req.pending_forks:
+            if child.row is not None:
+                self.req_table.free(child.row)
+                child.row = None
+        if req.row is None:
+            return
+        if req.kv_len:
+            slots = self.req_table.table[req.row, :req.kv_len].cpu()
+            if cache_kv:
+                self.cache.insert(req.fill_ids[:req.kv_len], slots)
+            self.allocator.release(slots[::self.page_size] // self.page_size)
+        self.cache.unlock(req.lock_node)
+        req.lock_node = None
+        self.req_table.free(req.row)
+        req.row = None
+        req.kv_len = 0
+
+    def hold(self, req: Req) -> torch.Tensor:
+        """One more reference on ``req``'s pages (released later with ``drop``): what a
+        failed transfer keeps out of use while a late write may still land there."""
+        ps = self.page_size
+        pages = self.req_table.table[req.row, : req.kv_len: ps].cpu() // ps
+        self.allocator.retain(pages)
+        return pages
+
+    def drop(self, pages: torch.Tensor) -> None:
+        self.allocator.release(pages)
+
+    def flush(self) -> None:
+        self.cache.reset()
+
+    def memory_state(self) -> dict[str, int]:
+        return {
+            "kv_pages_total": self.allocator.capacity,
+            "kv_pages_free": self.allocator.num_free,
+            "kv_pages_evictable": self.cache.evictable_pages,
+            "req_slots_total": self.req_table.num_rows,
+            "req_slots_free": self.req_table.num_free,
+        }

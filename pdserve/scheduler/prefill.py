@@ -1,0 +1,226 @@
+"""The prefill server's scheduler: prefills, sends the KV, hands off, never decodes.
+
+A request (each sample in its own room) waits as BOOTSTRAPPING until decode has
+said where its KV goes; it is then prefilled like any other (radix cache on,
+chunked) as COMPUTING, and after every forward the KV of the positions it now
+holds is queued for transfer (a cached prefix is sent too: decode needs all of
+it). Once its first token is drawn the handoff record follows the last write and
+it waits as INFLIGHT until the transfer succeeded or failed; only then are its
+pages released. A failed room (decode died, a write failed, a deadline) ends its
+request at whatever phase it is in; a long prompt stops being computed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import torch
+
+from pdserve.config import ServerArgs
+from pdserve.disagg import protocol as P
+from pdserve.disagg.bootstrap import BootstrapServer
+from pdserve.disagg.layout import BufferSpec, HandshakeError, kv_head_range
+from pdserve.disagg.manager import LinkConfig, PrefillTransferManager
+from pdserve.disagg.rooms import RoomError, RoomState
+from pdserve.model.parallel import TPGroup
+from pdserve.model.runner import ModelRunner
+from pdserve.scheduler.batch import ScheduledBatch, StepOutput
+from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
+                                       kv_layout, register_buffers, split_samples)
+from pdserve.scheduler.req import FinishKind, FinishReason, Req
+from pdserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillScheduler(Scheduler):
+    decodes = False  # decode decides when a request ends; prefill only hands it off
+
+    def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
+                 engine: object, tp: TPGroup = TPGroup(), host: str = "127.0.0.1",
+                 link: LinkConfig = LinkConfig()) -> None:
+        super().__init__(args, runner, decode_text, tp)
+        self.bootstrap: BootstrapServer | None = None  # rank 0 of a prefill server runs the registry
+        # Features are published per decode peer (provide_features), not up front:
+        # which layers they hold is the decode draft's choice.
+        layout = kv_layout(self, with_features=False)
+        register_buffers(engine, layout)
+        self.engine = engine
+        self._capture_lock = threading.Lock()
+        ranges = [kv_head_range(runner.config.num_kv_heads, r, tp.size) for r in range(tp.size)]
+        self.manager = PrefillTransferManager(engine, compat_record(self), layout, tp.rank, ranges,  # type: ignore
+                                              host=host, cfg=link, provide_features=self._provide_features)
+        self.handoffs = HandoffTable(tp)
+        self._features_registered = False
+
+    def _provide_features(self, layers: tuple[int, ...], slot_bytes: int) -> BufferSpec:
+        """The feature pool a decode peer's draft reads (called at its handshake, on the
+        transfer manager's thread). A speculative prefill offers its own when the layers
+        match; a plain prefill allocates one on first demand and then captures it in
+        every forward."""
+        cfg = self.runner.config
+        with self._capture_lock:
+            if self.spec is not None:
+                mine = self.spec.capture_layers
+                if tuple(layers) != tuple(mine):
+                    raise HandshakeError(f"decode's draft reads target features {list(layers) or 'final'}, this "
+                                         f"prefill server's draft captures {list(mine) or 'final'}")
+                pool = self.spec.features
+            elif self.feature_sink is not None:
+                if tuple(layers) != self.feature_sink[0]:
+                    raise HandshakeError(f"this prefill server already captures target features "
+                                         f"{list(self.feature_sink[0]) or 'final'} for another decode server; "
+                                         f"{list(layers) or 'final'} asked")
+                pool = self.feature_sink[1]
+            else:
+                if any(not 1 <= i < cfg.num_layers for i in layers):
+                    raise HandshakeError(f"decode asks for target layers {list(layers)} of a "
+                                         f"{cfg.num_layers}-layer model")
+                width = cfg.hidden_size * max(1, len(layers))
+                pool = torch.zeros(self.kv.num_slots, width, dtype=self.runner.dtype, device=self.device)
+                self.feature_sink = (tuple(layers), pool)
+            if not self._features_registered:  # Mooncake writes only from registered memory
+                self.engine.register(pool.data_ptr(), pool.numel() * pool.element_size())  # type: ignore
+                self._features_registered = True
+            row = pool[0].numel() * pool.element_size()
+            if row != slot_bytes:
+                raise HandshakeError(f"features: prefill rows are {row} bytes, decode's {slot_bytes}")
+            return BufferSpec("features", pool.data_ptr(), pool.shape[0], row)
+
+    # ---- requests -------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        samples = split_samples(req)
+        rooms = [s.bootstrap_room for s in samples]
+        if any(r is None for r in rooms):
+            raise ValueError("bootstrap_room: a prefill server needs a bootstrap_room for every sample")
+        for room in rooms:
+            if room in self.handoffs:
+                raise ValueError(f"bootstrap_room: {room} is already in use by a live request")
+        opened: list[int] = []
+        try:
+            for room in rooms:
+                self.manager.open(room)  # type: ignore[arg-type]
+                opened.append(room)  # type: ignore[arg-type]
+        except RoomError as exc:
+            for room in opened:
+                self.manager.abort(room, "another sample's room was refused")
+                self.manager.release(room)
+            raise ValueError(f"bootstrap_room: {exc}") from None
+        req.pending_forks = []  # (only now: if add() raises, the caller fails every sample)
+        for sample in samples:
+            self.handoffs.add(Handoff(sample, sample.bootstrap_room, Phase.BOOTSTRAPPING))  # type: ignore[arg-type]
+
+    def abort(self, rid: str, message: str = "aborted by the client") -> list[Req]:
+        out = []
+        for h in self.handoffs:
+            if h.req.rid == rid and h.phase is not Phase.COMPUTING:
+                self.manager.abort(h.room, message)
+                out += self._end(h, FinishReason(FinishKind.ABORT, message=message))
+        for req in super().abort(rid, message):  # the computing ones
+            h = self.handoffs.get(req.bootstrap_room)
+            if h is not None:
+                self.manager.abort(h.room, message)
+                self._forget(h)
+            out.append(req)
+        return out
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.handoffs) or super().has_work
+
+    # ---- step hooks -------------------------------------------------------------------
+    def poll_external(self, out: StepOutput) -> None:
+        self.manager.expire()
+        for room in self.manager.rooms.ended():
+            if room not in self.handoffs:  # opened by decode's request alone, then aborted or expired
+                self.manager.release(room)
+        for h, ready in self.handoffs.agree(self._readiness):
+            if ready is Readiness.FAILED:
+                if h.phase is Phase.COMPUTING:
+                    if h.req is self.chunked:
+                        self.chunked = None
+                    else:
+                        self.waiting.remove(h.req)
+                self._fail(h, out)
+            elif ready is Readiness.DONE and h.phase is Phase.BOOTSTRAPPING:
+                h.phase = Phase.COMPUTING
+                self.waiting.append(h.req)
+            elif ready is Readiness.DONE and h.phase is Phase.INFLIGHT:
+                out.finished += self._end(h, FinishReason(FinishKind.LENGTH))
+                out.advanced.append(h.req)
+
+    def settle(self, req: Req, out: StepOutput, joining: bool) -> None:
+        """The first token is the prefill server's whole output; the request stays out
+        of the client's view until decode has everything (commit hands it off)."""
+
+    def commit(self, batch: ScheduledBatch | None, out: StepOutput) -> None:
+        for req in out.finished:  # ended before any handoff (refused at admission, max_new_tokens 0)
+            h = self.handoffs.get(req.bootstrap_room)
+            if h is not None and h.req is req:
+                self.manager.abort(h.room, req.finish.message if req.finish and req.finish.message else
+                                   "the request ended at prefill without a token to hand off")
+                self._forget(h)
+        if batch is None:
+            return
+        for req in batch.reqs:  # the KV this forward wrote, before any record
+            h = self.handoffs.get(req.bootstrap_room)
+            if h is None:
+                continue  # ended above
+            if req.kv_len > h.sent:
+                self.manager.send(h.room, self.kv.slots(req, h.sent, req.kv_len), h.sent)
+                h.sent = req.kv_len
+        for req in batch.sampling_reqs:
+            if req.finish is None:
+                self._hand_off(req)
+
+    def _hand_off(self, req: Req) -> None:
+        h = self.handoffs.get(req.bootstrap_room)
+        assert h is not None
+        record = P.HandoffRecord(
+            h.room, "", first_token=req.output_ids[0],
+            logprob=req.output_logprobs[0] if req.output_logprobs else None,
+            top_logprobs=tuple(tuple(x) for x in req.output_top_logprobs[0]) if req.output_top_logprobs else (),
+            cached_tokens=req.cached_tokens)
+        self.manager.finish(h.room, record)
+        h.phase = Phase.INFLIGHT
+
+    def _readiness(self, h: Handoff) -> Readiness:
+        state = self.manager.status(h.room)[0]
+        if state is RoomState.FAILED:
+            return Readiness.FAILED
+        if h.phase is Phase.BOOTSTRAPPING:
+            return Readiness.DONE if self.manager.ready(h.room) else Readiness.WAITING
+        return Readiness.DONE if state is RoomState.SUCCESS else Readiness.WAITING
+
+    def _fail(self, h: Handoff, out: StepOutput) -> None:
+        """End a handoff whose room failed (on this rank, or when another TP rank's
+        transfer failed: then it is failed here too, so decode hears of it)."""
+        state, reason = self.manager.status(h.room)
+        if state is not RoomState.FAILED:
+            reason = "KV transfer failed on another tensor-parallel rank"
+            self.manager.abort(h.room, reason)
+        out.finished += self._end(h, FinishReason(FinishKind.ABORT, message=reason or "transfer failed",
+                                                  server_error=True))
+
+    def _end(self, h: Handoff, reason: FinishReason) -> list[Req]:
+        done = self.finish(h.req, reason)
+        self._forget(h)
+        return done
+
+    def _forget(self, h: Handoff) -> None:
+        self.handoffs.remove(h)
+        self.manager.release(h.room)
+
+    # ---- inspection -------------------------------------------------------------------
+    def state(self) -> dict[str, object]:
+        booting, inflight = self.handoffs.count(Phase.BOOTSTRAPPING), self.handoffs.count(Phase.INFLIGHT)
+        return add_pd_state(super().state(), "prefill", booting, inflight, self.manager.rooms,
+                            bootstrapping=booting, inflight=inflight, transfer_bytes=self.manager.bytes_sent,
+                            transfer_seconds=self.manager.transfer_seconds)
+
+    def close(self) -> None:
+        self.manager.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()

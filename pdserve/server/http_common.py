@@ -1,0 +1,38 @@
+"""HTTP plumbing the route modules share: the error body, SSE framing, the client
+disconnect watch, and the request fields every generation route carries."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from fastapi import Request
+
+from pdserve.config import ServerArgs
+from pdserve.requests import bootstrap_addresses
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.messages import Bootstrap
+
+def error_body(message: str, kind: str, param: str | None, code: int) -> dict[str, Any]:
+    """OpenAI's error shape, used by every route (SGLang's router expects it too)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def sse(data: Any) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client of a request whose body was read disconnects (the
+    ASGI server's next message for it is http.disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def bootstrap_of(args: ServerArgs, body: Any, params: Sequence[SamplingParams]
+                 ) -> list[tuple[Bootstrap, ...]] | None:
+    """The disaggregation fields of a request body (`bootstrap_host/port/room`), per
+    prompt and sample; None on a colocated server. Raises ValueError naming the field."""
+    return bootstrap_addresses(args.disaggregation_mode, args.disaggregation_bootstrap_port,
+                               body.bootstrap_host, body.bootstrap_port, body.bootstrap_room,
+                               [p.n for p in params])

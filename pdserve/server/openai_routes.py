@@ -1,0 +1,268 @@
+"""OpenAI's POST /v1/completions and /v1/chat/completions, streamed (SSE) or not.
+
+A route checks what only its API defines, turns the body into scheduler
+messages through the shared RequestBuilder (errors name the OpenAI fields:
+`max_tokens`, `min_tokens`), submits them and assembles the response from
+`results`. Streaming choices are built by small per-stream objects
+(`CompletionChunks`, `ChatChunks`) that keep what a stream must remember.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator, Callable, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.config import ServerArgs
+from pdserve.requests import ApiFields, RequestBuilder, check_new_tokens, check_text
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.messages import NewRequest
+from pdserve.server.http_common import bootstrap_of, client_gone, error_body, sse
+from pdserve.server.messages import TextUpdate
+from pdserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, from_value_error,
+                                     refuse_unsupported)
+from pdserve.server.results import TokenTexts, chat_logprobs, completion_logprobs, openai_finish, usage
+from pdserve.server.tokenizer_manager import Job, RequestState, ServerUnavailable, TokenizerManager
+
+# The finish message of a sample its client aborted; any other abort is the server's doing.
+CLIENT_ABORT = "aborted by the client"
+COMPLETION_FIELDS = ApiFields(max_new_tokens="max_tokens", min_new_tokens="min_tokens")
+
+OpenAIRequest = Union[CompletionRequest, ChatCompletionRequest]
+Choice = Callable[[RequestState, TextUpdate], Union[dict[str, Any], None]]
+
+
+# ---- from a body to scheduler messages ---------------------------------------------------
+def check_model(name: str | None, served: str) -> None:
+    if name is not None and name != served:
+        raise ApiError(f"model: {name!r} is not served here (serving {served!r})", "model")
+
+
+def check_completion_fields(req: CompletionRequest, served: str) -> None:
+    refuse_unsupported(req)
+    check_model(req.model, served)
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError("best_of: only best_of == n is supported", "best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise ApiError("logprobs: must be in [0, 20]", "logprobs")
+    if req.echo and req.logprobs is not None:
+        raise ApiError("echo: echo with logprobs (prompt logprobs) is not supported", "echo")
+
+
+def check_chat_fields(req: ChatCompletionRequest, served: str) -> None:
+    refuse_unsupported(req)
+    check_model(req.model, served)
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise ApiError("top_logprobs: must be in [0, 20]", "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError("top_logprobs: requires logprobs to be true", "top_logprobs")
+
+
+def sampling_params(req: OpenAIRequest, max_tokens: int, names: ApiFields) -> SamplingParams:
+    """SamplingParams from OpenAI's fields and SGLang's extras. Raises ValueError naming the field."""
+    check_new_tokens(max_tokens, req.min_tokens, names)
+    return SamplingParams(
+        max_new_tokens=max_tokens, min_new_tokens=req.min_tokens, temperature=req.temperature,
+        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+        stop=tuple([req.stop] if isinstance(req.stop, str) else (req.stop or [])),
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos, n=req.n,
+        seed=req.seed, skip_special_tokens=req.skip_special_tokens, no_stop_trim=req.no_stop_trim)
+
+
+def completion_requests(args: ServerArgs, builder: RequestBuilder, req: CompletionRequest
+                        ) -> tuple[list[NewRequest], list[str]]:
+    """The messages of a completions body and each prompt's text (what `echo` repeats).
+    Raises ValueError naming the field."""
+    if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], str)):
+        prompts, _ = builder.token_ids(req.prompt, None, "prompt", "prompt")
+        texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+    else:
+        prompts, _ = builder.token_ids(None, req.prompt or None, "prompt", "prompt")
+        texts = [builder.tokenizer.decode(p) for p in prompts]
+    # max_tokens: null means "up to the context length".
+    params = [sampling_params(req, req.max_tokens if req.max_tokens is not None
+                              else builder.context_len - len(p), COMPLETION_FIELDS) for p in prompts]
+    rids = [req.rid] if isinstance(req.rid, str) else req.rid
+    return builder.build(prompts, params, req.logprobs is not None, req.logprobs or 0, rids,
+                         bootstrap_of(args, req, params), COMPLETION_FIELDS), texts
+
+
+def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
+    """The conversation rendered by the chat template. Raises ValueError naming the field."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            if any(part.type != "text" for part in m.content):
+                raise ValueError("messages: only text content parts are supported")
+            content = "".join(part.text or "" for part in m.content)
+        else:
+            content = m.content or ""
+        check_text(content, f"messages[{i}].content")
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    try:
+        prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                    **(req.chat_template_kwargs or {}))
+    except Exception as exc:  # a template that rejects the conversation
+        raise ValueError(f"messages: the chat template failed: {exc}") from None
+    # The contents are checked above, so invalid text here came from the template's kwargs.
+    check_text(prompt_text, "chat_template_kwargs")
+    return prompt_text
+
+
+def chat_requests(args: ServerArgs, builder: RequestBuilder, req: ChatCompletionRequest) -> list[NewRequest]:
+    """The message of a chat body (one prompt). Raises ValueError naming the field."""
+    ids = builder.tokenizer(chat_prompt(builder.tokenizer, req), add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError("messages: the conversation is empty")
+    explicit = req.max_completion_tokens is not None  # the newer name wins over max_tokens
+    names = ApiFields(max_new_tokens="max_completion_tokens" if explicit else "max_tokens",
+                      min_new_tokens="min_tokens")
+    max_tokens = req.max_completion_tokens if explicit else req.max_tokens
+    if max_tokens is None:  # up to the context length, at least one token
+        max_tokens = max(1, builder.context_len - len(ids))
+    params = [sampling_params(req, max_tokens, names)]
+    return builder.build([ids], params, req.logprobs, req.top_logprobs or 0, [req.rid] if req.rid else None,
+                         bootstrap_of(args, req, params), names)
+
+
+# ---- responses ---------------------------------------------------------------------------
+def raise_server_abort(job: Job) -> None:
+    """A request the server had to give up on (not one the client aborted) is an error."""
+    for st in job.states:
+        for s in st.samples:
+            if s.finish and s.finish.get("type") == "abort" and s.finish.get("message") != CLIENT_ABORT:
+                if s.finish.get("server_error"):  # e.g. a failed KV transfer: retryable, not bad input
+                    raise ApiError(str(s.finish.get("message")), None, status=503, kind="server_error")
+                raise ApiError(str(s.finish.get("message")), None, status=400)
+
+
+class CompletionChunks:
+    """Choices of a streamed completion: the echo goes before a sample's first text, and
+    logprob text offsets continue where the sample's previous chunk ended."""
+
+    def __init__(self, job: Job, echo: dict[str, str], texts: TokenTexts | None) -> None:
+        self.job = job
+        self.echo = echo      # rid -> the text to put first ("" without echo)
+        self.texts = texts    # None: logprobs not asked for
+        self.text_pos: dict[tuple[str, int], int] = {}  # where a sample's next token starts
+
+    def __call__(self, state: RequestState, update: TextUpdate) -> dict[str, Any] | None:
+        s = state.samples[update.token.index]
+        text = update.text_delta
+        key = (state.rid, s.index)
+        if key not in self.text_pos:
+            self.text_pos[key] = len(self.echo[state.rid])
+            text = self.echo[state.rid] + text
+        lp = None
+        if self.texts is not None:
+            lp = completion_logprobs(self.texts, update.token.new_ids, update.token.new_logprobs,
+                                     update.token.new_top_logprobs, self.text_pos[key])
+            self.text_pos[key] += sum(len(t) for t in lp["tokens"])
+        finish = openai_finish(update.token.finish)
+        if not (text or finish or lp):
+            return None
+        return {"index": self.job.flat_index(state, s.index), "text": text, "logprobs": lp,
+                "finish_reason": finish}
+
+
+class ChatChunks:
+    """Choices of a streamed chat completion: a sample's first delta carries the role."""
+
+    def __init__(self, texts: TokenTexts | None) -> None:
+        self.texts = texts    # None: logprobs not asked for
+        self.started: set[int] = set()
+
+    def __call__(self, state: RequestState, update: TextUpdate) -> dict[str, Any] | None:
+        s = state.samples[update.token.index]
+        delta: dict[str, Any] = {}
+        if s.index not in self.started:
+            self.started.add(s.index)
+            delta["role"] = "assistant"
+        if update.text_delta or "role" in delta:
+            delta["content"] = update.text_delta
+        lp = {"content": chat_logprobs(self.texts, update.token.new_ids, update.token.new_logprobs,
+                                       update.token.new_top_logprobs)} if self.texts is not None else None
+        finish = openai_finish(update.token.finish)
+        if not (delta or finish or lp):
+            return None
+        return {"index": s.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+
+async def openai_events(manager: TokenizerManager, job: Job, head: dict[str, Any], include_usage: bool,
+                        choice: Choice) -> AsyncIterator[str]:
+    """SSE chunks of an OpenAI stream: one per update that carries something, a usage
+    chunk if asked, an error event if the server failed, then [DONE]."""
+    try:
+        async for state, update in manager.stream(job):
+            c = choice(state, update)
+            if c is not None:
+                yield sse({**head, "choices": [c]})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(job.states)})
+    except ServerUnavailable as exc:
+        yield sse(error_body(str(exc), "server_error", None, 503))
+    yield sse("[DONE]")
+
+
+class OpenAIRoutes:
+    def __init__(self, args: ServerArgs, manager: TokenizerManager, model_name: str) -> None:
+        self.args = args
+        self.manager = manager
+        self.model_name = model_name
+        self.texts = TokenTexts(manager.tokenizer)
+
+    def register(self, app: FastAPI) -> None:
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+
+    def _head(self, cid: str, obj: str) -> dict[str, Any]:
+        return {"id": cid, "object": obj, "created": int(time.time()), "model": self.model_name}
+
+    def _stream(self, job: Job, head: dict[str, Any], req: OpenAIRequest, choice: Choice) -> StreamingResponse:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(openai_events(self.manager, job, head, include_usage, choice),
+                                 media_type="text/event-stream")
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        check_completion_fields(req, self.model_name)
+        try:
+            requests, texts = completion_requests(self.args, self.manager.builder, req)
+            job = await self.manager.submit(requests)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        head = self._head(f"cmpl-{job.states[0].rid}", "text_completion")
+        echo = {st.rid: (t if req.echo else "") for st, t in zip(job.states, texts)}
+        token_texts = self.texts if req.logprobs is not None else None
+        if req.stream:
+            return self._stream(job, head, req, CompletionChunks(job, echo, token_texts))
+        await self.manager.wait(job, client_gone(request))
+        raise_server_abort(job)
+        choices = []
+        for st in job.states:
+            for s in st.samples:
+                lp = completion_logprobs(token_texts, s.output_ids, s.logprobs, s.top_logprobs,
+                                         len(echo[st.rid])) if token_texts is not None else None
+                choices.append({"index": job.flat_index(st, s.index), "text": echo[st.rid] + s.text,
+                                "logprobs": lp, "finish_reason": openai_finish(s.finish)})
+        return JSONResponse({**head, "choices": choices, "usage": usage(job.states)})
+
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Response:
+        check_chat_fields(req, self.model_name)
+        try:
+            job = await self.manager.submit(chat_requests(self.args, self.manager.builder, req))
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        head = self._head(f"chatcmpl-{job.states[0].rid}", "chat.completion")
+        token_texts = self.texts if req.logprobs else None
+        if req.stream:
+            return self._stream(job, dict(head, object="chat.completion.chunk"), req, ChatChunks(token_texts))
+        await self.manager.wait(job, client_gone(request))
+        raise_server_abort(job)
+        choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
+                    "logprobs": {"content": chat_logprobs(token_texts, s.output_ids, s.logprobs, s.top_logprobs)}
+                    if token_texts is not None else None,
+                    "finish_reason": openai_finish(s.finish)} for s in job.states[0].samples]
+        return JSONResponse({**head, "choices": choices, "usage": usage(job.states)})

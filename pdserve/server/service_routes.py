@@ -1,0 +1,105 @@
+"""Routes about the server rather than generation: health, models, info, load,
+cache flush, metrics and aborts (SGLang's names, which its router calls)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.config import ServerArgs
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.http_common import error_body
+from pdserve.server.protocol import ApiError
+from pdserve.server.tokenizer_manager import TokenizerManager
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """A body read by hand (routes without a schema), refused as FastAPI would refuse it."""
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):  # RecursionError: nesting too deep to decode
+        raise ApiError("body: malformed JSON", "body") from None
+    if not isinstance(body, dict):
+        raise ApiError("body: must be a JSON object", "body")
+    return body
+
+
+class ServiceRoutes:
+    def __init__(self, args: ServerArgs, manager: TokenizerManager, model_name: str,
+                 server_info: Callable[[], dict[str, Any]]) -> None:
+        self.args = args
+        self.manager = manager
+        self.model_name = model_name
+        self.server_info = server_info
+
+    def register(self, app: FastAPI) -> None:
+        app.get("/health")(self.health)
+        app.get("/health_generate")(self.health_generate)
+        app.get("/v1/models")(self.models)
+        app.get("/get_model_info")(self.model_info)
+        app.get("/model_info")(self.model_info)  # the newer SGLang spelling its router tries first
+        app.get("/get_load")(self.get_load)
+        app.get("/get_server_info")(self.get_server_info)
+        app.get("/server_info")(self.get_server_info)
+        app.post("/flush_cache")(self.flush_cache)
+        app.get("/metrics")(self.metrics)
+        app.post("/abort_request")(self.abort_request)
+
+    async def health(self) -> Response:
+        if self.manager.dead_reason:
+            return JSONResponse(error_body(self.manager.dead_reason, "server_error", None, 503), status_code=503)
+        return Response(status_code=200)
+
+    async def health_generate(self) -> Response:
+        if self.args.disaggregation_mode != "null":
+            # Half a server cannot generate alone; the scheduler's liveness is the signal.
+            await self.manager.get_state()
+            return Response(status_code=200)
+        b = self.manager.builder
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        job = await self.manager.submit(b.build([b.tokenizer("ping")["input_ids"] or [0]], [params], False, 0))
+        await self.manager.wait(job)
+        return Response(status_code=200)
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve",
+                                            "max_model_len": self.manager.builder.context_len}]}
+
+    async def model_info(self) -> dict[str, Any]:
+        return {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path,
+                "is_generation": True}
+
+    async def get_load(self) -> list[dict[str, Any]]:
+        """Load as SGLang reports it (its router's power_of_two policy reads it)."""
+        st = await self.manager.get_state()
+        return [{"dp_rank": 0, "num_reqs": st["num_running_reqs"] + st["num_waiting_reqs"],
+                 "num_waiting_reqs": st["num_waiting_reqs"], "num_tokens": st["num_used_tokens"]}]
+
+    async def get_server_info(self) -> dict[str, Any]:
+        info = self.server_info()
+        info["internal_state"] = await self.manager.get_state()
+        # SGLang's top-level field (None without speculative decoding).
+        info["avg_spec_accept_length"] = info["internal_state"].get("avg_spec_accept_length")
+        return info
+
+    async def flush_cache(self) -> Response:
+        ok = await self.manager.flush_cache()
+        return Response("Cache flushed.\n" if ok else "Cache not flushed: requests are running.\n",
+                        status_code=200 if ok else 400)
+
+    async def metrics(self) -> Response:
+        if self.manager.dead_reason is None:
+            self.manager.metrics.update_state(await self.manager.get_state())
+        return Response(self.manager.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def abort_request(self, request: Request) -> Response:
+        body = await json_body(request)
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            raise ApiError("rid: must be a string", "rid")
+        found = await self.manager.abort(rid)
+        # SGLang answers 200 whether or not the request was still running.
+        return JSONResponse({"rid": rid, "aborted": found})

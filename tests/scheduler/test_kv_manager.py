@@ -1,0 +1,75 @@
+"""KVManager, the one owner of a rank's KV bookkeeping: every way pages move between
+requests, the prefix cache and a failed transfer's quarantine keeps the reference
+counts right (the pool returns to full), and shared pages are never written twice."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import ServerArgs
+from pdserve.model.parallel import TPGroup
+from pdserve.model.runner import ModelRunner
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.kv_manager import KVManager
+from pdserve.scheduler.req import Req
+
+
+def manager(llama_dir, page_size: int) -> KVManager:
+    args = ServerArgs(model_path=str(llama_dir), page_size=page_size, max_total_tokens=256)
+    runner = ModelRunner(args, llama_dir, TPGroup())
+    return KVManager(args, runner, 256 // page_size + 1, decode_room=1)
+
+
+def req(ids: list[int]) -> Req:
+    return Req(rid="r", prompt_ids=ids, params=SamplingParams.from_dict({}), seed=0)
+
+
+def full(kv: KVManager) -> bool:
+    kv.flush()
+    m = kv.memory_state()
+    return m["kv_pages_free"] == m["kv_pages_total"] and m["req_slots_free"] == m["req_slots_total"]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_reserve_hold_release_drop_returns_every_page(llama_dir, page_size):
+    kv = manager(llama_dir, page_size)
+    r = req(list(range(6, 16)))
+    slots = kv.reserve(r, 10)
+    assert len(set(slots)) == 10 and 0 not in slots and r.kv_len == 10
+    held = kv.hold(r)  # a failed transfer: the pages outlive the request
+    kv.release(r, cache_kv=False)
+    assert kv.memory_state()["kv_pages_free"] == kv.capacity - len(held)
+    kv.drop(held)
+    assert full(kv)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_fork_shares_full_pages_and_copies_the_partial_one(llama_dir, page_size):
+    kv = manager(llama_dir, page_size)
+    parent, child = req(list(range(6, 17))), req(list(range(6, 17)))
+    parent.pending_forks = [child]
+    kv.attach(parent, kv.match(parent.fill_ids[:-1]))
+    kv.assign(parent, 0, 11)
+    parent.kv_len = 11
+    parent.pending_forks = []
+    kv.fork(parent, [child], own_last_position=False)
+    a, b = kv.slots(parent, 0, 11), kv.slots(child, 0, 11)
+    shared = 11 // page_size * page_size
+    assert a[:shared] == b[:shared]                  # full pages are shared
+    assert not set(a[shared:]) & set(b[shared:])     # the partial page is each sample's own
+    kv.release(child, cache_kv=True)
+    kv.release(parent, cache_kv=True)
+    assert full(kv)
+
+
+def test_trim_gives_back_the_pages_past_the_kept_length(llama_dir):
+    kv = manager(llama_dir, 4)
+    r = req(list(range(6, 14)))
+    kv.reserve(r, 8)
+    kv.assign(r, 8, 20)  # a speculative round's tree: 3 more pages
+    free = kv.memory_state()["kv_pages_free"]
+    r.kv_len = 10        # two of its positions were accepted
+    kv.trim(r, 20)
+    assert kv.memory_state()["kv_pages_free"] == free + 2  # pages of positions 12..19
+    kv.release(r, cache_kv=False)
+    assert full(kv)
