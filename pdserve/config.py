@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
@@ -79,11 +80,26 @@ class ServerArgs:
     disaggregation_transfer_timeout: float = 60.0
     disaggregation_heartbeat_interval: float = 1.0
     disaggregation_heartbeat_misses: int = 3
+    # The shared secret that authenticates PD control messages (HMAC) between this
+    # deployment's servers; required when a PD server listens beyond loopback.
+    disaggregation_secret: str | None = None
+    disaggregation_secret_file: str | None = None
+    # Prefill servers (HOST or HOST:BOOTSTRAP_PORT) a decode server may fetch KV from
+    # (empty: any that requests name).
+    disaggregation_allowed_prefill: tuple[str, ...] = ()
     # HTTP server
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    # Protects the admin routes (/abort_request, /flush_cache) when given.
+    admin_api_key: str | None = None
     served_model_name: str | None = None
+    # Bodies above this are refused with 413 before they are parsed.
+    max_request_bytes: int = 8 << 20
+    # A client must deliver its request headers and body within this many seconds.
+    request_read_timeout: float = 10.0
+    # A request's chat_template_kwargs may carry its own "chat_template" (Jinja run by the server).
+    allow_client_chat_template: bool = False
 
     def __post_init__(self) -> None:
         self._validate()
@@ -134,6 +150,10 @@ class ServerArgs:
             raise bad("cpu_kv_budget_gb", f"must be > 0, got {self.cpu_kv_budget_gb}")
         if not 0 <= self.port <= 65535:
             raise bad("port", f"must be in [0, 65535], got {self.port}")
+        if self.max_request_bytes < 1024:
+            raise bad("max_request_bytes", f"must be >= 1024, got {self.max_request_bytes}")
+        if self.request_read_timeout <= 0:
+            raise bad("request_read_timeout", f"must be > 0, got {self.request_read_timeout}")
         if self.log_level not in ("debug", "info", "warning", "error", "critical"):
             raise bad("log_level", f"invalid choice {self.log_level!r} (debug, info, warning, error, critical)")
         if self.model_path is not None and not os.path.isdir(self.model_path):
@@ -157,8 +177,25 @@ class ServerArgs:
                 raise bad(name, f"must be > 0, got {getattr(self, name)}")
         if self.disaggregation_heartbeat_misses < 1:
             raise bad("disaggregation_heartbeat_misses", f"must be >= 1, got {self.disaggregation_heartbeat_misses}")
+        if self.disaggregation_secret is not None and self.disaggregation_secret_file is not None:
+            raise bad("disaggregation_secret", f"give it or {flag('disaggregation_secret_file')}, not both")
+        if self.disaggregation_secret is not None and len(self.disaggregation_secret) < 16:
+            raise bad("disaggregation_secret", "must be at least 16 characters")
+        if self.disaggregation_secret_file is not None and not os.path.isfile(self.disaggregation_secret_file):
+            raise bad("disaggregation_secret_file", f"{self.disaggregation_secret_file!r} is not a file")
+        for entry in self.disaggregation_allowed_prefill:
+            host, _, port = entry.rpartition(":") if entry.count(":") == 1 else (entry, "", "")
+            if not host or (port and not (port.isdigit() and 0 < int(port) <= 65535)):
+                raise bad("disaggregation_allowed_prefill", f"{entry!r} is not HOST or HOST:PORT")
         if self.disaggregation_mode == "null":
             return
+        if not is_loopback(self.host) and self.disaggregation_secret is None \
+                and self.disaggregation_secret_file is None:
+            raise bad("disaggregation_secret", f"a {self.disaggregation_mode} server on {self.host!r} (not a "
+                      "loopback address) refuses to start without a shared secret: its control, bootstrap "
+                      "and transfer ports would accept anyone on the network (give the same "
+                      f"{flag('disaggregation_secret')} or {flag('disaggregation_secret_file')} to every "
+                      "server of the deployment)")
         if self.disaggregation_transfer_backend == "nixl":
             raise bad("disaggregation_transfer_backend", "nixl is not supported yet; use mooncake")
 
@@ -212,6 +249,16 @@ class ServerArgs:
         return steps, topk, tokens
 
     # ---- derived values -------------------------------------------------------
+    def control_secret(self) -> bytes | None:
+        """The PD control plane's shared secret (None: unauthenticated, loopback only)."""
+        if self.disaggregation_secret_file is not None:
+            with open(self.disaggregation_secret_file, "rb") as fh:
+                secret = fh.read().strip()
+            if len(secret) < 16:
+                raise ConfigError(f"{flag('disaggregation_secret_file')}: the secret must be at least 16 bytes")
+            return secret
+        return self.disaggregation_secret.encode() if self.disaggregation_secret is not None else None
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -236,6 +283,9 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag(f.name), action="store_true", default=default)
                 continue
+            if str(f.type) == "tuple[str, ...]":
+                parser.add_argument(flag(f.name), nargs="*", default=default, metavar="VALUE")
+                continue
             kind = _FIELD_PARSERS.get(str(f.type), str)
             kwargs: dict[str, Any] = {"type": kind, "default": default}
             choices = _FIELD_CHOICES.get(f.name)
@@ -253,7 +303,7 @@ class ServerArgs:
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "ServerArgs":
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items() if k in names})
 
 
 def _int_or_none(text: str) -> int | None:
@@ -277,7 +327,7 @@ _FIELD_CHOICES = {
 _TYPE_CHECKS: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
     "int | None": (int, type(None)), "float | None": (int, float, type(None)),
-    "str | None": (str, type(None)),
+    "str | None": (str, type(None)), "tuple[str, ...]": (tuple,),
 }
 
 
@@ -290,6 +340,15 @@ def _check_types(args: ServerArgs) -> None:
         # bool is an int subclass; refuse it where a number is expected.
         if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
             raise ConfigError(f"{flag(f.name)}: expected {f.type}, got {type(value).__name__} {value!r}")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class _RaisingParser(argparse.ArgumentParser):

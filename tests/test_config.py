@@ -168,3 +168,24 @@ def test_replace_revalidates():
     assert args.page_size == 1
     with pytest.raises(ConfigError, match="--page-size"):
         args.replace(page_size=0)
+
+
+def test_security_flags():
+    from pdserve.config import is_loopback
+    args = ServerArgs.from_cli(["--disaggregation-allowed-prefill", "10.0.0.1:8998", "prefill-0",
+                                "--admin-api-key", "adm", "--max-request-bytes", "4096"])
+    assert args.disaggregation_allowed_prefill == ("10.0.0.1:8998", "prefill-0")
+    assert (args.admin_api_key, args.max_request_bytes, args.allow_client_chat_template) == ("adm", 4096, False)
+    # A PD server listening beyond loopback needs the control-plane secret; the error says why.
+    with pytest.raises(ConfigError, match=r"--disaggregation-secret: a decode server on '0.0.0.0'.*shared secret"):
+        ServerArgs(disaggregation_mode="decode", host="0.0.0.0")
+    assert ServerArgs(disaggregation_mode="decode", host="0.0.0.0",
+                      disaggregation_secret="s" * 16).control_secret() == b"s" * 16
+    ServerArgs(disaggregation_mode="decode", host="127.0.0.1")  # loopback: no secret needed
+    assert is_loopback("localhost") and is_loopback("::1") and not is_loopback("10.1.2.3")
+    for kwargs, flag_name in (({"disaggregation_secret": "short"}, "--disaggregation-secret"),
+                              ({"disaggregation_allowed_prefill": ("h:99999",)}, "--disaggregation-allowed-prefill"),
+                              ({"max_request_bytes": 10}, "--max-request-bytes"),
+                              ({"request_read_timeout": 0.0}, "--request-read-timeout")):
+        with pytest.raises(ConfigError, match=flag_name):
+            ServerArgs(**kwargs)

@@ -41,6 +41,9 @@ def test_compose_services_use_the_tested_cli():
         assert f"localhost:{servers[name].port}/health" in health
         assert str(servers[name].port) in svc[name]["expose"]
     assert str(servers["prefill"].disaggregation_bootstrap_port) in svc["prefill"]["expose"]
+    # Listening on the network, the pair shares one control-plane secret (from the environment).
+    assert servers["prefill"].disaggregation_secret == servers["decode"].disaggregation_secret
+    assert servers["prefill"].disaggregation_secret.startswith("${PDSERVE_PD_SECRET:?")
     module, argv = module_args(svc["router"]["command"])
     assert module == "pdserve.router"
     cfg = router_config.from_cli(argv)

@@ -38,10 +38,11 @@ class StartupError(RuntimeError):
 
 
 def server_args_dict(args: ServerArgs) -> dict[str, Any]:
-    """The arguments as /get_server_info shows them, the API key masked."""
+    """The arguments as /get_server_info shows them, every secret masked."""
     d = dataclasses.asdict(args)
-    if d.get("api_key"):
-        d["api_key"] = "***"
+    for name in ("api_key", "admin_api_key", "disaggregation_secret"):
+        if d.get(name):
+            d[name] = "***"
     return d
 
 
