@@ -243,6 +243,7 @@ class PrefillTransferManager(_Side):
         self._peers: dict[str, _DecodePeer] = {}
         self._by_addr: dict[str, str] = {}
         self._rooms: dict[int, _PrefillRoom] = {}
+        self._failed: dict[int, tuple[str, float]] = {}  # released failed room -> (reason, until), oldest first
         self._lock = threading.Lock()
         self._work: queue.Queue[tuple[str, int, Any] | None] = queue.Queue()
         self.bytes_sent = 0
@@ -310,13 +311,25 @@ class PrefillTransferManager(_Side):
         """The scheduler is done with a room. A room whose writes are still queued or
         running stays known to the transfer thread until they return (it then says
         WritesDone for a failed room: decode waits for that before reusing pages)."""
+        state, reason = self.status(room)
         with self._lock:
             pr = self._rooms.get(room)
             if pr is not None and pr.pending:
                 pr.released = True
             else:
                 self._rooms.pop(room, None)
+            if state is RoomState.FAILED and self.rooms.get(room) is not None:
+                self._remember_failure(room, reason or "failed")
         self.rooms.close_if_ended(room)
+
+    def _remember_failure(self, room: int, reason: str) -> None:
+        """Keep a released failed room's reason for as long as decode might still ask for
+        it (its transfer request can arrive late): it is answered at once instead of
+        opening a room nobody computes. Caller holds the lock."""
+        now = time.monotonic()
+        while self._failed and next(iter(self._failed.values()))[1] < now:
+            self._failed.pop(next(iter(self._failed)))
+        self._failed[room] = (reason, now + self.rooms.deadlines.waiting_for_input)
 
     def _handshake(self, hs: P.Handshake) -> None:
         try:
@@ -353,6 +366,12 @@ class PrefillTransferManager(_Side):
         if peer is None:
             logger.warning("transfer request for room %d from unknown decode %s", req.room, req.decode_id)
             return
+        with self._lock:
+            failed = self._failed.get(req.room)
+        if failed is not None and failed[1] >= time.monotonic():  # prefill already failed it
+            self._link.send(peer.handshake.control_addr, P.Abort(req.room, failed[0]))
+            self._link.send(peer.handshake.control_addr, P.WritesDone(req.room, self._link.addr))
+            return
         try:
             # Fresh when decode asked before the prefill request arrived (which joins it).
             _, fresh = self.rooms.open_or_join(req.room)
@@ -379,6 +398,8 @@ class PrefillTransferManager(_Side):
     def open(self, room: int) -> None:
         """The prefill request of ``room`` arrived (it may precede or follow decode's)."""
         self.rooms.open_or_join(room)  # decode's transfer request may have opened it first
+        with self._lock:
+            self._failed.pop(room, None)  # the number is in use again
 
     def ready(self, room: int) -> bool:
         """Decode said where the KV goes: the prefill may send."""

@@ -94,20 +94,26 @@ class DecodeScheduler(Scheduler):
         agreed = self.handoffs.agree(self._readiness)
         for h, ready in agreed:
             if h.phase is Phase.QUARANTINED and ready is Readiness.DONE:
-                self.kv.drop(h.held_pages)  # type: ignore[arg-type]
                 self.handoffs.remove(h)
-                self.manager.release(h.room)
+                try:
+                    self.kv.drop(h.held_pages)  # type: ignore[arg-type]
+                    self.manager.release(h.room)
+                except Exception:  # the request already ended; only its pages are at stake
+                    logger.exception("room %d: releasing its quarantined pages failed", h.room)
         committed = False
         for h, ready in agreed:
-            if h.phase is Phase.TRANSFERRING and ready is Readiness.DONE:
-                self._commit(h, out)
-                committed = True
-            elif h.phase is Phase.TRANSFERRING and ready is Readiness.FAILED:
-                state, _, reason = self.manager.poll(h.room)
-                if state is not RoomState.FAILED:  # another rank's transfer failed
-                    reason = "KV transfer failed on another tensor-parallel rank"
-                    self.manager.abort(h.room, reason)
-                out.finished += self._quarantine(h, reason or "transfer failed")
+            if h.phase is not Phase.TRANSFERRING or ready is Readiness.WAITING:
+                continue
+            with self.guarded([h.req], out, "committing the transfer"):
+                if ready is Readiness.DONE:
+                    self._commit(h, out)
+                    committed = True
+                else:
+                    state, _, reason = self.manager.poll(h.room)
+                    if state is not RoomState.FAILED:  # another rank's transfer failed
+                        reason = "KV transfer failed on another tensor-parallel rank"
+                        self.manager.abort(h.room, reason)
+                    out.finished += self._quarantine(h, reason or "transfer failed")
         self._admit_transfers([(h, r) for h, r in agreed if h.phase is Phase.QUEUED], out)
         # Publish committed first tokens now (their TTFT); the running batch takes its
         # decode step on the very next step (never held twice in a row, so a stream of
@@ -133,35 +139,44 @@ class DecodeScheduler(Scheduler):
         transferring = [h.req for h in self.handoffs if h.phase is Phase.TRANSFERRING]
         reserve = self.growth_reserve(self.running + transferring)
         for h, ready in queued:
-            req = h.req
-            if ready is Readiness.FAILED:
-                state, reason = self.manager.connection(h.peer_url)
+            with self.guarded([h.req], out, "admitting the transfer"):
+                if not self._admit_one(h, ready, reserve, transferring, out):
+                    break
+                if h.phase is Phase.TRANSFERRING:
+                    reserve += self.growth_reserve([h.req])
+
+    def _admit_one(self, h: Handoff, ready: Readiness, reserve: int, transferring: list[Req],
+                   out: StepOutput) -> bool:
+        """Admit one queued request if it can go (or end it if it never can); False
+        when admission stops here."""
+        req = h.req
+        if ready is Readiness.FAILED:
+            state, reason = self.manager.connection(h.peer_url)
+            self.handoffs.remove(h)
+            out.finished += self.finish(req, FinishReason(
+                FinishKind.ABORT, message=str(reason) if state == "failed" else
+                f"cannot reach the prefill server at {h.peer_url} (on another tensor-parallel rank)",
+                server_error=True))
+            return True
+        if ready is Readiness.WAITING:
+            return True  # still connecting; the requests behind it may go first
+        n = len(req.prompt_ids)
+        need = pages_for(n, self.page_size)
+        if self.kv.free_rows < 1 or need + self.growth_reserve([req]) > self.kv.available_pages - reserve:
+            if not self.running and not transferring and need > self.kv.capacity:
                 self.handoffs.remove(h)
-                out.finished += self.finish(req, FinishReason(
-                    FinishKind.ABORT, message=str(reason) if state == "failed" else
-                    f"cannot reach the prefill server at {h.peer_url} (on another tensor-parallel rank)",
-                    server_error=True))
-                continue
-            if ready is Readiness.WAITING:
-                continue  # still connecting; the requests behind it may go first
-            n = len(req.prompt_ids)
-            need = pages_for(n, self.page_size)
-            growth = self.growth_reserve([req])
-            if self.kv.free_rows < 1 or need + growth > self.kv.available_pages - reserve:
-                if not self.running and not transferring and need > self.kv.capacity:
-                    self.handoffs.remove(h)
-                    out.finished += self.finish(req, _too_big(need, self.kv.capacity))
-                    continue
-                break  # queue, do not fail: pages come back as requests finish
-            # The slots are the request's from now on (released on any outcome);
-            # their KV becomes valid when the record arrives.
-            slots = self.kv.reserve(req, n)
-            reserve += growth
-            peers = self.manager.connection(h.peer_url)[1]
-            assert isinstance(peers, list)  # every rank reported the connection up
-            self.manager.add_room(h.room, peers, slots, want_features=self.spec is not None)
-            h.phase = Phase.TRANSFERRING
-            transferring.append(req)
+                out.finished += self.finish(req, _too_big(need, self.kv.capacity))
+                return True
+            return False  # queue, do not fail: pages come back as requests finish
+        # The slots are the request's from now on (released on any outcome); their KV
+        # becomes valid when the record arrives.
+        slots = self.kv.reserve(req, n)
+        peers = self.manager.connection(h.peer_url)[1]
+        assert isinstance(peers, list)  # every rank reported the connection up
+        h.phase = Phase.TRANSFERRING  # (before asking: a failure while asking quarantines the pages)
+        transferring.append(req)
+        self.manager.add_room(h.room, peers, slots, want_features=self.spec is not None)
+        return True
 
     def _commit(self, h: Handoff, out: StepOutput) -> None:
         """The record arrived: the request has its whole prompt KV and first token."""
@@ -178,6 +193,23 @@ class DecodeScheduler(Scheduler):
         if req.finish is None:
             req.draft_len = 0
             self.decoding.prefilled([req])  # the draft state, from the transferred features
+
+    def fail_request(self, req: Req, message: str) -> list[Req]:
+        h = self.handoffs.get(req.bootstrap_room)
+        if req.finish is None and h is not None and h.req is req:
+            if h.phase is Phase.TRANSFERRING:
+                try:  # prefill may be writing into its pages: quarantine them as for any failure
+                    self.manager.abort(h.room, f"internal error: {message}")
+                    return self._quarantine(h, f"internal error: {message}")
+                except Exception:
+                    logger.exception("room %d: quarantining after an internal error failed", h.room)
+            self.handoffs.remove(h)
+        return super().fail_request(req, message)
+
+    def live_requests(self) -> list[Req]:
+        held = {id(r): r for r in super().live_requests()}
+        held.update({id(h.req): h.req for h in self.handoffs if h.req.finish is None})
+        return list(held.values())
 
     def _quarantine(self, h: Handoff, reason: str, server_error: bool = True) -> list[Req]:
         """End a request whose transfer failed; keep its pages out of use until no

@@ -12,6 +12,7 @@ scheduler's queues (waiting, running) hold only the ``Req`` while it computes.
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -23,6 +24,8 @@ from pdserve.scheduler.req import Req
 
 if TYPE_CHECKING:
     from pdserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
@@ -89,10 +92,21 @@ class HandoffTable:
     def agree(self, readiness: Callable[[Handoff], Readiness]) -> list[tuple[Handoff, Readiness]]:
         """Every handoff with its readiness agreed by all TP ranks (one collective)."""
         items = list(self._by_room.values())
-        codes = [int(readiness(h)) for h in items]
+        codes = [int(self._safely(readiness, h)) for h in items]
         if self.tp.enabled and codes:
             codes = self.tp.all_reduce_min(torch.tensor(codes, dtype=torch.int64)).tolist()
         return [(h, Readiness(c)) for h, c in zip(items, codes)]
+
+
+    @staticmethod
+    def _safely(readiness: Callable[[Handoff], Readiness], h: Handoff) -> Readiness:
+        """A handoff whose state cannot be read is failed (its phase's failure path ends
+        it), never the step."""
+        try:
+            return readiness(h)
+        except Exception:
+            logger.exception("room %d: reading its transfer state failed", h.room)
+            return Readiness.FAILED
 
 
 def add_pd_state(st: dict[str, object], mode: str, waiting: int, running: int, rooms: Any,

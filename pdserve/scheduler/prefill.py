@@ -137,19 +137,23 @@ class PrefillScheduler(Scheduler):
             if room not in self.handoffs:  # opened by decode's request alone, then aborted or expired
                 self.manager.release(room)
         for h, ready in self.handoffs.agree(self._readiness):
-            if ready is Readiness.FAILED:
-                if h.phase is Phase.COMPUTING:
-                    if h.req is self.chunked:
-                        self.chunked = None
-                    else:
-                        self.waiting.remove(h.req)
-                self._fail(h, out)
-            elif ready is Readiness.DONE and h.phase is Phase.BOOTSTRAPPING:
-                h.phase = Phase.COMPUTING
-                self.waiting.append(h.req)
-            elif ready is Readiness.DONE and h.phase is Phase.INFLIGHT:
-                out.finished += self._end(h, FinishReason(FinishKind.LENGTH))
-                out.advanced.append(h.req)
+            with self.guarded([h.req], out, "handoff"):
+                self._advance(h, ready, out)
+
+    def _advance(self, h: Handoff, ready: Readiness, out: StepOutput) -> None:
+        if ready is Readiness.FAILED:
+            if h.phase is Phase.COMPUTING:
+                if h.req is self.chunked:
+                    self.chunked = None
+                else:
+                    self.waiting.remove(h.req)
+            self._fail(h, out)
+        elif ready is Readiness.DONE and h.phase is Phase.BOOTSTRAPPING:
+            h.phase = Phase.COMPUTING
+            self.waiting.append(h.req)
+        elif ready is Readiness.DONE and h.phase is Phase.INFLIGHT:
+            out.finished += self._end(h, FinishReason(FinishKind.LENGTH))
+            out.advanced.append(h.req)
 
     def settle(self, req: Req, out: StepOutput, joining: bool) -> None:
         """The first token is the prefill server's whole output; the request stays out
@@ -166,14 +170,16 @@ class PrefillScheduler(Scheduler):
             return
         for req in batch.reqs:  # the KV this forward wrote, before any record
             h = self.handoffs.get(req.bootstrap_room)
-            if h is None:
+            if h is None or req.finish is not None:
                 continue  # ended above
-            if req.kv_len > h.sent:
-                self.manager.send(h.room, self.kv.slots(req, h.sent, req.kv_len), h.sent)
-                h.sent = req.kv_len
+            with self.guarded([req], out, "sending KV"):
+                if req.kv_len > h.sent:
+                    self.manager.send(h.room, self.kv.slots(req, h.sent, req.kv_len), h.sent)
+                    h.sent = req.kv_len
         for req in batch.sampling_reqs:
             if req.finish is None:
-                self._hand_off(req)
+                with self.guarded([req], out, "handing off"):
+                    self._hand_off(req)
 
     def _hand_off(self, req: Req) -> None:
         h = self.handoffs.get(req.bootstrap_room)
@@ -203,6 +209,22 @@ class PrefillScheduler(Scheduler):
             self.manager.abort(h.room, reason)
         out.finished += self._end(h, FinishReason(FinishKind.ABORT, message=reason or "transfer failed",
                                                   server_error=True))
+
+    def fail_request(self, req: Req, message: str) -> list[Req]:
+        h = self.handoffs.get(req.bootstrap_room)
+        if req.finish is None and h is not None and h.req is req:
+            self.handoffs.remove(h)
+            try:  # decode hears of it; the room ends
+                self.manager.abort(h.room, f"internal error: {message}")
+                self.manager.release(h.room)
+            except Exception:
+                logger.exception("room %d: ending it after an internal error failed", h.room)
+        return super().fail_request(req, message)
+
+    def live_requests(self) -> list[Req]:
+        held = {id(r): r for r in super().live_requests()}
+        held.update({id(h.req): h.req for h in self.handoffs})
+        return list(held.values())
 
     def _end(self, h: Handoff, reason: FinishReason) -> list[Req]:
         done = self.finish(h.req, reason)

@@ -59,6 +59,24 @@ def _too_big(need: int, capacity: int) -> FinishReason:
                         f"{capacity} (raise --max-total-tokens)")
 
 
+class _Guard:
+    def __init__(self, sched: "Scheduler", reqs: Callable[[], list[Req]], out: StepOutput, what: str) -> None:
+        self.sched, self.reqs, self.out, self.what = sched, reqs, out, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        reqs = list({id(r): r for r in self.reqs()}.values())
+        logger.error("%s failed for request(s) %s", self.what, sorted({r.rid for r in reqs}),
+                     exc_info=(kind, exc, tb))  # type: ignore[arg-type]
+        for req in reqs:
+            self.out.finished += self.sched.fail_request(req, f"{self.what}: {exc}")
+        return True
+
+
 class Scheduler:
     decodes = True  # a prefill server never decodes: no decode steps, no draft state, no growth to reserve
 
@@ -123,6 +141,46 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
 
+    def fail_request(self, req: Req, message: str) -> list[Req]:
+        """End one request after an internal error while handling it (wherever it is),
+        giving back what it holds as far as that still works: the step goes on for
+        every other request."""
+        if req.finish is not None:
+            return []
+        reason = FinishReason(FinishKind.ABORT, message=f"internal error: {message}", server_error=True)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        elif req is self.chunked:
+            self.chunked = None
+        try:
+            return self.finish(req, reason)
+        except Exception:  # its KV bookkeeping is what broke: leak it rather than the server
+            logger.exception("request %s: releasing after an internal error failed", req.rid)
+            done = [req] + req.pending_forks
+            for r in done:
+                r.finish, r.row = reason, None
+            req.pending_forks = []
+            return done
+
+    def guarded(self, reqs: list[Req] | Callable[[], list[Req]], out: StepOutput, what: str) -> _Guard:
+        """``with self.guarded(reqs, out, what):`` -- an exception inside fails ``reqs``
+        (each with the error; a callable is read at that moment) instead of the step."""
+        return _Guard(self, reqs if callable(reqs) else (lambda: reqs), out, what)  # type: ignore[arg-type]
+
+    def live_requests(self) -> list[Req]:
+        """Every request the scheduler holds that has not finished."""
+        return self.waiting + self.running + ([self.chunked] if self.chunked is not None else [])
+
+    def fail_all(self, message: str) -> list[Req]:
+        """The last resort after a step failed outside any request's guard: every live
+        request ends with the error (each gets its one final outcome), the server goes on."""
+        out: list[Req] = []
+        for req in self.live_requests():
+            out += self.fail_request(req, message)
+        return out
+
     # ---- the step ---------------------------------------------------------------
     def step(self) -> StepOutput:
         out = StepOutput()
@@ -130,8 +188,9 @@ class Scheduler:
         batch = self.plan_batch(out)
         if batch is not None:
             self.num_forward_steps += 1
-            logits = self.forward(batch.forward)
-            self.process(batch, logits, out)
+            with self.guarded(lambda: batch.reqs + batch.sampling_reqs, out, f"{batch.mode} step"):
+                logits = self.forward(batch.forward)
+                self.process(batch, logits, out)
         self.commit(batch, out)
         return out
 
@@ -320,9 +379,9 @@ class Scheduler:
             # The prompt goes into the prefix cache now, locked for every sample
             # (a later request sharing it hits while this one still runs).
             children, req.pending_forks = req.pending_forks, []
-            self.kv.fork(req, children, own_last_position=self.spec is not None)
-            batch.sampling_reqs += [req] + children
+            batch.sampling_reqs += [req] + children  # (first: a failure below ends them too)
             batch.sampling_rows += [row] * (1 + len(children))
+            self.kv.fork(req, children, own_last_position=self.spec is not None)
             row += 1
         reqs = batch.sampling_reqs
         if reqs:

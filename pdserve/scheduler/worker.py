@@ -149,13 +149,24 @@ def serve(sched: Scheduler, tp: TPGroup, io: RankIO | None) -> None:
             samples = samples_from_message(msg)  # every rank builds the same Reqs from the message
             try:
                 sched.add(samples[0])
-            except (ValueError, RuntimeError) as exc:  # e.g. a bad room, an unreachable prefill server
+            except Exception as exc:  # one request never ends the loop
+                # ValueError / RuntimeError: the request itself is refused (a room in use,
+                # a bad address); anything else is our bug, reported as a server error.
+                refused = isinstance(exc, (ValueError, RuntimeError))
+                if not refused:
+                    logger.exception("adding request %s failed", msg.rid)
                 for sample in samples:
-                    sample.finish = FinishReason(FinishKind.ABORT, message=str(exc))
+                    sample.finish = FinishReason(FinishKind.ABORT, server_error=not refused,
+                                                 message=str(exc) if refused else f"internal error: {exc}")
                     out.finished.append(sample)
                 samples[0].pending_forks = []
         for rid in cmd.abort:
-            out.finished += sched.abort(rid)
+            try:
+                out.finished += sched.abort(rid)
+            except Exception:
+                logger.exception("aborting %s failed", rid)
+                for req in [r for r in sched.live_requests() if r.rid == rid]:
+                    out.finished += sched.fail_request(req, "aborting it failed")
         if cmd.flush_cache and io is not None:
             io.reply("flushed", sched.flush_cache())
         elif cmd.flush_cache:
@@ -163,7 +174,11 @@ def serve(sched: Scheduler, tp: TPGroup, io: RankIO | None) -> None:
         if cmd.get_state and io is not None:
             io.reply("state", sched.state())
         forwards = sched.num_forward_steps
-        step = sched.step()
+        try:
+            step = sched.step()
+        except Exception as exc:  # outside every request's guard: end them all, keep serving
+            logger.exception("scheduler step failed")
+            step = StepOutput(finished=sched.fail_all(f"scheduler step failed: {exc}"))
         out.advanced += step.advanced
         out.finished += step.finished
         if io is not None and (out.advanced or out.finished):

@@ -266,3 +266,23 @@ def test_a_failing_message_handler_fails_the_room_it_touched(pair):
     pre.open(13)
     dec.add_room(13, peers, dst_slots=[3])
     assert wait_for(lambda: pre.ready(13))
+
+
+def test_a_late_transfer_request_for_a_room_prefill_already_failed_is_answered_at_once(pair):
+    """Prefill failed and forgot a room before decode asked for it (a client abort of the
+    prefill leg, a prefill-side error): decode's late request is answered with the reason
+    and WritesDone at once, not left to open a room nobody computes (120 s of waiting)."""
+    pre, dec, peers, src, dst = pair
+    pre.open(21)
+    pre.abort(21, "aborted by the client")
+    pre.release(21)
+    dec.add_room(21, peers, dst_slots=[1, 2])
+    assert wait_for(lambda: dec.poll(21)[0] is RoomState.FAILED, timeout=5)
+    assert "aborted by the client" in dec.poll(21)[2]
+    assert wait_for(lambda: dec.safe_to_free(21), timeout=5)
+    assert pre.rooms.get(21) is None  # nothing was opened for it
+    # The number can be used again by a new prefill request.
+    pre.open(21)
+    dec.release(21)
+    dec.add_room(21, peers, dst_slots=[3])
+    assert wait_for(lambda: pre.ready(21))

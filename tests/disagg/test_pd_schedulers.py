@@ -60,10 +60,12 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-def run_pair(p, d, ps: list[list[int]], sampling: dict[str, Any] = GREEDY) -> list[list[int]]:
+def run_pair_outcomes(p, d, ps: list[list[int]], sampling: dict[str, Any] = GREEDY) -> list[Any]:
+    """Send every prompt through the pair; the decode side's samples once all ended
+    (each exactly once) and prefill holds nothing more."""
     builder = RequestBuilder(None, 4096, 10**6, 4, 0)
     params = SamplingParams.from_dict(sampling)
-    outs: dict[str, list[int]] = {}
+    done: dict[tuple[str, int], Any] = {}
     dec_reqs = []
     for i, ids in enumerate(ps):
         gp = samples_from_message(builder.group(ids, params, False, 0, rid=f"p{i}"))
@@ -79,13 +81,20 @@ def run_pair(p, d, ps: list[list[int]], sampling: dict[str, Any] = GREEDY) -> li
     while time.monotonic() < deadline:
         p.step()
         for r in d.step().finished:
-            outs[(r.rid, r.sample_index)] = r.output_ids
-            assert r.finish.kind.value != "abort", r.finish
-        if len(outs) == len(dec_reqs) and not p.has_work:
+            assert (r.rid, r.sample_index) not in done, "a request ended twice"
+            done[(r.rid, r.sample_index)] = r
+        if len(done) == len(dec_reqs) and not p.has_work:
             break
         time.sleep(0.001)  # control messages travel on their own threads
-    assert len(outs) == len(dec_reqs), "requests did not finish"
-    return [outs[(r.rid, r.sample_index)] for r in dec_reqs]
+    assert len(done) == len(dec_reqs), "requests did not finish"
+    return [done[(r.rid, r.sample_index)] for r in dec_reqs]
+
+
+def run_pair(p, d, ps: list[list[int]], sampling: dict[str, Any] = GREEDY) -> list[list[int]]:
+    reqs = run_pair_outcomes(p, d, ps, sampling)
+    for r in reqs:
+        assert r.finish.kind.value != "abort", r.finish
+    return [r.output_ids for r in reqs]
 
 
 def step_until(s, cond, timeout: float = 30) -> None:
@@ -254,6 +263,59 @@ def test_decode_retraction_finishes_without_new_traffic(make_engine, dirs):
     try:
         assert run_pair(p, d, ps, sampling) == ref
         assert d.state()["num_retractions"] > 0
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("phase", ["decode-admit", "prefill-send", "decode-commit", "prefill-readiness"])
+def test_a_fault_with_one_request_fails_that_request_only(make_engine, dirs, phase, monkeypatch):
+    """An error while admitting, transferring or committing one request ends that request
+    with an internal error (a server error, so the router may retry it); the others are
+    served correctly, nothing is leaked and both schedulers go on."""
+    ps = prompts(4, seed=9)
+    ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
+    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
+    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    rooms: list[int] = []
+    real_add = d.add
+
+    def add(req):  # learn the rooms the requests get
+        rooms.append(req.bootstrap_room)
+        return real_add(req)
+    monkeypatch.setattr(d, "add", add)
+    def failing(obj, name: str, room_of) -> None:
+        """obj.name raises for the second request's room only."""
+        real = getattr(obj, name)
+
+        def broken(x, *args, **kwargs):
+            if room_of(x) == rooms[1]:
+                raise RuntimeError("injected fault")
+            return real(x, *args, **kwargs)
+        monkeypatch.setattr(obj, name, broken)
+    try:
+        if phase == "decode-admit":
+            failing(d.manager, "add_room", lambda room: room)
+        elif phase == "prefill-send":
+            failing(p.manager, "send", lambda room: room)
+        elif phase == "decode-commit":
+            failing(d, "settle", lambda req: req.bootstrap_room)
+        else:
+            failing(p, "_readiness", lambda h: h.room)
+        reqs = run_pair_outcomes(p, d, ps)
+        for i, r in enumerate(reqs):
+            if i == 1:
+                assert r.finish.kind.value == "abort" and r.finish.server_error, r.finish
+                if phase != "prefill-send" and phase != "prefill-readiness":
+                    assert "internal error" in r.finish.message and "injected fault" in r.finish.message
+            else:
+                assert r.finish.kind.value != "abort" and r.output_ids == ref[i], r.finish
+        monkeypatch.undo()
+        # Both go on: the same prompts again, all served.
+        assert run_pair(p, d, ps) == ref
+        wait_until(lambda: not d.has_work, 10, step=0.01, between=lambda: (p.step(), d.step()))
         pools_full(p)
         pools_full(d)
     finally:
