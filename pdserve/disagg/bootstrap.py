@@ -11,7 +11,12 @@ decode ranks ``GET`` the list once, then talk to the ranks directly.
 
 Standard library HTTP in a daemon thread: one request at a time is plenty for
 a registry, and a handler error answers that request instead of killing the
-thread.
+thread. Only the server's own ranks can register: a registration must be signed
+with a key rank 0 drew at startup and shared with its ranks alone. With a
+deployment secret, listing the ranks (their transfer sessions and buffer
+addresses) needs a request signed with it (header ``X-Pdserve-Auth``). Every
+malformed request gets a 4xx and its connection closed; a client that stalls is
+dropped after a few seconds.
 """
 
 from __future__ import annotations
@@ -35,52 +40,95 @@ class BootstrapError(RuntimeError):
     pass
 
 
+MAX_BODY_BYTES = 1 << 20     # a RankInfo is a few KB
+CLIENT_TIMEOUT_S = 5.0       # a request must arrive within this
+AUTH_HEADER = "X-Pdserve-Auth"
+
+
 class BootstrapServer:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, registry_auth: protocol.Authenticator,
+                 listing_auth: protocol.Authenticator | None = None) -> None:
+        """``registry_auth``: the key the server's own ranks sign registrations with;
+        ``listing_auth``: the deployment secret that GET /ranks must be signed with
+        (None: the listing is open, as the server listens on loopback only)."""
         self._ranks: dict[int, protocol.RankInfo] = {}
         self._lock = threading.Lock()
+        self.refused = 0
         registry = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = CLIENT_TIMEOUT_S  # the socket's: a stalled read ends the connection
+
             def log_message(self, fmt: str, *args: Any) -> None:  # quiet: requests are not news
                 logger.debug("bootstrap: " + fmt, *args)
 
             def _reply(self, status: int, body: dict[str, Any]) -> None:
                 data = json.dumps(body).encode()
+                if status >= 400:
+                    self.close_connection = True
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if status >= 400:
+                    self.send_header("Connection", "close")
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _refuse(self, status: int, why: str) -> None:
+                with registry._lock:
+                    registry.refused += 1
+                self._reply(status, {"error": why})
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 try:
                     if self.path == "/health":
                         self._reply(200, {"ok": True})
-                    elif self.path == "/ranks":
-                        self._reply(*registry.listing())
+                    elif self.path != "/ranks":
+                        self._reply(404, {"error": "no such route"})
+                    elif listing_auth is not None and not self._signed_by(listing_auth):
+                        self._refuse(401, f"listing the ranks needs a request signed with the deployment's "
+                                          f"--disaggregation-secret ({AUTH_HEADER})")
                     else:
-                        self._reply(404, {"error": f"no route {self.path}"})
-                except Exception as exc:  # never let the server thread die
-                    logger.exception("bootstrap GET %s failed", self.path)
-                    self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+                        self._reply(*registry.listing())
+                except Exception:  # never let the server thread die
+                    logger.exception("bootstrap GET failed")
+                    self._reply(500, {"error": "internal error"})
+
+            def _signed_by(self, auth: protocol.Authenticator) -> bool:
+                try:
+                    protocol.decode(self.headers.get(AUTH_HEADER, "").encode(), auth)
+                    return True
+                except protocol.ProtocolError:
+                    return False
 
             def do_PUT(self) -> None:  # noqa: N802
                 try:
                     if self.path != "/ranks":
-                        self._reply(404, {"error": f"no route {self.path}"})
+                        self._reply(404, {"error": "no such route"})
                         return
-                    n = int(self.headers.get("Content-Length") or 0)
-                    msg = protocol.decode(self.rfile.read(n))
+                    length = self.headers.get("Content-Length", "")
+                    if not length.isdigit():
+                        self._refuse(400, "Content-Length: a non-negative integer is required")
+                        return
+                    if int(length) > MAX_BODY_BYTES:
+                        self._refuse(413, f"body above {MAX_BODY_BYTES} bytes")
+                        return
+                    try:
+                        msg = protocol.decode(self.rfile.read(int(length)), registry_auth)
+                    except protocol.AuthError:
+                        self._refuse(403, "only this prefill server's own ranks may register")
+                        return
                     if not isinstance(msg, protocol.RankInfo):
                         raise protocol.ProtocolError(f"expected RankInfo, got {type(msg).__name__}")
                     registry.register(msg)
                     self._reply(200, {"ok": True})
                 except (protocol.ProtocolError, BootstrapError, ValueError) as exc:
-                    self._reply(400, {"error": str(exc)})
-                except Exception as exc:
+                    self._refuse(400, str(exc))
+                except OSError:  # the client went away or stalled past the timeout
+                    self.close_connection = True
+                except Exception:
                     logger.exception("bootstrap PUT failed")
-                    self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+                    self._reply(500, {"error": "internal error"})
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
@@ -126,11 +174,13 @@ def reachable_host(host: str) -> str:
         return "127.0.0.1"
 
 
-def register_rank(bootstrap_url: str, info: protocol.RankInfo, timeout_s: float = 10.0) -> None:
-    """Register a prefill rank; retried until ``timeout_s`` while the registry is not
-    up yet (rank 0 starts it once its model is loaded, other ranks may be quicker)."""
-    req = urllib.request.Request(bootstrap_url.rstrip("/") + "/ranks", data=protocol.encode(info), method="PUT",
-                                 headers={"Content-Type": "application/json"})
+def register_rank(bootstrap_url: str, info: protocol.RankInfo, auth: protocol.Authenticator,
+                  timeout_s: float = 10.0) -> None:
+    """Register a prefill rank (signed with the registry key its rank 0 shared); retried
+    until ``timeout_s`` while the registry is not up yet (rank 0 starts it once its
+    model is loaded, other ranks may be quicker)."""
+    req = urllib.request.Request(bootstrap_url.rstrip("/") + "/ranks", data=protocol.encode(info, auth),
+                                 method="PUT", headers={"Content-Type": "application/json"})
     end = time.monotonic() + timeout_s
     while True:
         try:
@@ -146,19 +196,30 @@ def register_rank(bootstrap_url: str, info: protocol.RankInfo, timeout_s: float 
             time.sleep(0.1)
 
 
-def fetch_ranks(bootstrap_url: str, deadline_s: float) -> list[protocol.RankInfo]:
-    """The prefill ranks, waiting (polling) until all registered or the deadline passes."""
+def fetch_ranks(bootstrap_url: str, deadline_s: float, auth: protocol.Authenticator | None = None
+                ) -> list[protocol.RankInfo]:
+    """The prefill ranks, waiting (polling) until all registered or the deadline passes.
+    The remote server's own words never reach the caller (the address came from a
+    client): only its status, or that its answer was not a rank list."""
     end = time.monotonic() + deadline_s
     last = "no answer"
     while True:
+        headers = {AUTH_HEADER: protocol.encode(protocol.Heartbeat(auth.identity), auth).decode()} if auth else {}
+        req = urllib.request.Request(bootstrap_url.rstrip("/") + "/ranks", headers=headers)
         try:
-            with urllib.request.urlopen(bootstrap_url.rstrip("/") + "/ranks", timeout=5.0) as r:
-                body = json.loads(r.read())
+            with urllib.request.urlopen(req, timeout=5.0) as r:
+                body = json.loads(r.read(MAX_BODY_BYTES * 8))
             return [protocol.from_body(protocol.RankInfo, b) for b in body["ranks"]]
         except urllib.error.HTTPError as exc:
-            last = exc.read().decode(errors="replace")
+            last = f"HTTP {exc.code}" + (" (not all prefill ranks registered yet)" if exc.code == 503 else
+                                         " (do both servers use the same --disaggregation-secret?)"
+                                         if exc.code == 401 else "")
+            if exc.code not in (503,):
+                raise BootstrapError(f"bootstrap server {bootstrap_url} refused the rank listing: {last}") from None
+        except (ValueError, KeyError, TypeError, protocol.ProtocolError):
+            raise BootstrapError(f"{bootstrap_url} did not answer with a prefill rank list") from None
         except OSError as exc:
-            last = str(exc)
+            last = type(exc).__name__ if not isinstance(exc, urllib.error.URLError) else str(exc.reason)
         if time.monotonic() >= end:
             raise BootstrapError(f"bootstrap server {bootstrap_url} did not list the prefill ranks within "
                                  f"{deadline_s:g} s: {last}")

@@ -46,6 +46,10 @@ class LinkConfig:
     heartbeat_misses: int = 3           # a peer silent this many intervals is dead
     handshake_timeout_s: float = 10.0
     deadlines: Deadlines = Deadlines()
+    # The deployment's shared secret: every control message is signed and checked (None:
+    # unsigned, for servers that listen on loopback only).
+    secret: bytes | None = None
+    max_message_bytes: int = 64 << 20
 
 
 class _Link:
@@ -57,8 +61,11 @@ class _Link:
         self.name = name
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
-        port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self._pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)  # a larger frame drops its connection
+        port = self._pull.bind_to_random_port(f"tcp://{host}")  # the server's own host only
         self.addr = f"tcp://{host}:{port}"
+        self.auth = P.Authenticator(cfg.secret, self.addr) if cfg.secret is not None else None
+        self.refused = 0  # messages dropped: unsigned, forged, replayed or malformed
         self._out: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         # Outgoing messages wake the thread through a pipe (ZMQ sockets are not
         # thread-safe, an OS pipe is), so a send never waits out a poll timeout.
@@ -129,9 +136,11 @@ class _Link:
                         continue
                     data = sock.recv()
                     try:
-                        msg = P.decode(data)
+                        msg = P.decode(data, self.auth)
                     except P.ProtocolError as exc:
-                        logger.warning("%s: dropped a bad message: %s", self.name, exc)
+                        self.refused += 1
+                        if self.refused <= 10 or self.refused % 1000 == 0:  # a flood must not flood the log
+                            logger.warning("%s: dropped a message (%d so far): %s", self.name, self.refused, exc)
                         continue
                     if isinstance(msg, P.Heartbeat):
                         if msg.sender in self._peers:
@@ -152,12 +161,12 @@ class _Link:
                     elif msg == "forget":
                         self._peers.pop(addr, None)
                     else:
-                        self._socket(addr).send(P.encode(msg), zmq.NOBLOCK)
+                        self._socket(addr).send(P.encode(msg, self.auth), zmq.NOBLOCK)
                 now = time.monotonic()
                 if now >= next_beat:
                     seq += 1
                     for addr in list(self._peers):
-                        self._socket(addr).send(P.encode(P.Heartbeat(self.addr, seq)), zmq.NOBLOCK)
+                        self._socket(addr).send(P.encode(P.Heartbeat(self.addr, seq), self.auth), zmq.NOBLOCK)
                     next_beat = now + self.cfg.heartbeat_interval_s
                     limit = self.cfg.heartbeat_interval_s * self.cfg.heartbeat_misses
                     for addr, seen in list(self._peers.items()):
@@ -178,6 +187,12 @@ class _Side:
     rooms: RoomTable
     _rooms: dict[int, Any]
     _lock: threading.Lock
+    _link: _Link
+
+    @property
+    def refused_messages(self) -> int:
+        """Control messages dropped unread: unsigned, forged, replayed or malformed."""
+        return self._link.refused
 
     def release(self, room: int) -> None:
         """The scheduler is done with a room: forget it once it has ended."""
@@ -615,7 +630,8 @@ class DecodeTransferManager(_Side):
                                               self.feature_layers))
             if not event.wait(self.cfg.handshake_timeout_s):
                 raise HandshakeError(f"prefill rank {info.tp_rank} at {addr} did not answer the handshake within "
-                                     f"{self.cfg.handshake_timeout_s:g} s")
+                                     f"{self.cfg.handshake_timeout_s:g} s (do both servers use the same "
+                                     "--disaggregation-secret, or both none?)")
             err = self._handshake_error.pop(addr, None)
             if err:
                 raise HandshakeError(err)

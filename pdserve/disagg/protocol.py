@@ -1,6 +1,10 @@
 """Wire messages between prefill and decode servers: frozen dataclasses, one codec.
 
-Every message travels as JSON ``{"v": PROTOCOL_VERSION, "type": NAME, "body": {...}}``.
+Every message travels as JSON ``{"v": PROTOCOL_VERSION, "type": NAME, "body": {...}}``;
+with a deployment secret it also carries ``from`` (the sender's identity), ``ts``,
+``nonce`` and ``mac``, an HMAC-SHA256 over all of them (``Authenticator``): a
+message that is unsigned, forged, stale or replayed is refused before anything
+reads its body.
 Decoding is strict: an unknown type, a missing or unknown field, a wrong
 protocol version or a malformed body raises ``ProtocolError`` naming it, so
 two servers of different versions fail at their first exchange instead of
@@ -11,7 +15,12 @@ optional fields and are told apart by sentinel strings).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
+import secrets
+import threading
+import time
 import types
 import typing
 from dataclasses import dataclass
@@ -22,6 +31,65 @@ from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, He
 
 class ProtocolError(ValueError):
     pass
+
+
+class AuthError(ProtocolError):
+    """A message that is not signed by a holder of the deployment's secret (or replayed)."""
+
+
+_ENVELOPE = {"v", "type", "body"}
+_SIGNED = _ENVELOPE | {"from", "ts", "nonce", "mac"}
+
+
+def _canonical(fields: dict[str, Any]) -> bytes:
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+class Authenticator:
+    """Signs and checks control messages with a shared secret. ``identity`` is the
+    signer's own name (its control address), covered by the MAC. A message is accepted
+    once, within ``window_s`` of its timestamp (clocks of a deployment agree to well
+    within that); nonces seen in the window are remembered to refuse replays."""
+
+    def __init__(self, secret: bytes, identity: str, window_s: float = 120.0) -> None:
+        if len(secret) < 16:
+            raise ValueError("the secret must be at least 16 bytes")
+        self._key = hashlib.sha256(b"pdserve-control:" + secret).digest()
+        self.identity = identity
+        self.window_s = window_s
+        self._seen: dict[str, float] = {}   # nonce -> its message's timestamp, oldest first
+        self._lock = threading.Lock()
+        self.refused = 0                    # messages refused (forged, unsigned, stale, replayed)
+
+    def mac(self, fields: dict[str, Any]) -> str:
+        return hmac.new(self._key, _canonical(fields), hashlib.sha256).hexdigest()
+
+    def seal(self, envelope: dict[str, Any]) -> dict[str, Any]:
+        signed = {**envelope, "from": self.identity, "ts": time.time(), "nonce": secrets.token_hex(12)}
+        return {**signed, "mac": self.mac(signed)}
+
+    def check(self, raw: dict[str, Any]) -> None:
+        """Raise AuthError unless ``raw`` is a fresh message signed with our secret."""
+        try:
+            if set(raw) != _SIGNED:
+                raise AuthError("unsigned message (this server requires --disaggregation-secret signatures)")
+            mac = raw["mac"]
+            if not isinstance(mac, str) or not hmac.compare_digest(
+                    mac, self.mac({k: v for k, v in raw.items() if k != "mac"})):
+                raise AuthError("bad signature (a different --disaggregation-secret, or a forgery)")
+            ts, nonce, now = raw["ts"], raw["nonce"], time.time()
+            if not isinstance(ts, (int, float)) or abs(now - ts) > self.window_s:
+                raise AuthError("stale message (outside the replay window; are the clocks in sync?)")
+            with self._lock:
+                while self._seen and next(iter(self._seen.values())) < now - self.window_s:
+                    self._seen.pop(next(iter(self._seen)))
+                if nonce in self._seen:
+                    raise AuthError("replayed message")
+                self._seen[str(nonce)] = float(ts)
+        except AuthError:
+            with self._lock:
+                self.refused += 1
+            raise
 
 
 @dataclass(frozen=True)
@@ -126,12 +194,14 @@ def _to_plain(obj: Any) -> Any:
     return obj
 
 
-def encode(msg: Any) -> bytes:
+def encode(msg: Any, auth: Authenticator | None = None) -> bytes:
     name = type(msg).__name__
     if name not in _TOP_LEVEL:
         raise ProtocolError(f"{name} is not a wire message")
-    return json.dumps({"v": PROTOCOL_VERSION, "type": name, "body": _to_plain(msg)},
-                      separators=(",", ":")).encode()
+    envelope: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": name, "body": _to_plain(msg)}
+    if auth is not None:
+        envelope = auth.seal(envelope)
+    return json.dumps(envelope, separators=(",", ":")).encode()
 
 
 def to_body(msg: Any) -> dict[str, Any]:
@@ -144,13 +214,18 @@ def from_body(cls: type, body: Any) -> Any:
     return _build(cls, body, cls.__name__)
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes, auth: Authenticator | None = None) -> Any:
+    """The message in ``data``; with ``auth``, only if signed by a holder of the secret."""
     try:
         raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"not a pdserve message: {exc}") from None
-    if not isinstance(raw, dict) or set(raw) != {"v", "type", "body"}:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ProtocolError(f"not a pdserve message: {type(exc).__name__}") from None
+    if not isinstance(raw, dict) or not _ENVELOPE <= set(raw):
         raise ProtocolError("not a pdserve message (expected v, type, body)")
+    if auth is not None:
+        auth.check(raw)
+    elif set(raw) != _ENVELOPE:
+        raise ProtocolError("a signed message, but this server has no --disaggregation-secret")
     if raw["v"] != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {raw['v']!r}; this server speaks {PROTOCOL_VERSION}")
     if raw["type"] not in _TOP_LEVEL:
@@ -208,4 +283,4 @@ def _value(hint: Any, value: Any, where: str) -> Any:
 
 
 __all__ = ["ProtocolError", "encode", "decode", "to_body", "from_body", "RankInfo", "Handshake", "HandshakeReply", "TransferRequest",
-           "SpecHandoff", "HandoffRecord", "Abort", "WritesDone", "Heartbeat"]
+           "SpecHandoff", "HandoffRecord", "Abort", "WritesDone", "Heartbeat", "Authenticator", "AuthError"]

@@ -222,7 +222,7 @@ class DecodeScheduler(Scheduler):
     # ---- inspection -------------------------------------------------------------------
     def state(self) -> dict[str, object]:
         queued, transferring = self.handoffs.count(Phase.QUEUED), self.handoffs.count(Phase.TRANSFERRING)
-        return add_pd_state(super().state(), "decode", queued, transferring, self.manager.rooms, queued=queued,
+        return add_pd_state(super().state(), "decode", queued, transferring, self.manager, queued=queued,
                             transferring=transferring, quarantined=self.handoffs.count(Phase.QUARANTINED))
 
     def close(self) -> None:

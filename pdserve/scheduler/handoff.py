@@ -109,13 +109,14 @@ class HandoffTable:
             return Readiness.FAILED
 
 
-def add_pd_state(st: dict[str, object], mode: str, waiting: int, running: int, rooms: Any,
+def add_pd_state(st: dict[str, object], mode: str, waiting: int, running: int, manager: Any,
                  **extra: object) -> dict[str, object]:
     """A PD scheduler's state(): its handoffs counted as waiting or running requests, and
-    the transfer side's rooms (``rooms``: the manager's RoomTable)."""
+    the transfer manager's rooms and refused control messages."""
     st["num_waiting_reqs"] += waiting  # type: ignore[operator]
     st["num_running_reqs"] += running  # type: ignore[operator]
-    st["disaggregation"] = {"mode": mode, **extra, "rooms": rooms.counts(), "failures": dict(rooms.failures)}
+    st["disaggregation"] = {"mode": mode, **extra, "rooms": manager.rooms.counts(),
+                            "failures": dict(manager.rooms.failures), "refused_messages": manager.refused_messages}
     return st
 
 

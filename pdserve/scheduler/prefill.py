@@ -238,7 +238,7 @@ class PrefillScheduler(Scheduler):
     # ---- inspection -------------------------------------------------------------------
     def state(self) -> dict[str, object]:
         booting, inflight = self.handoffs.count(Phase.BOOTSTRAPPING), self.handoffs.count(Phase.INFLIGHT)
-        return add_pd_state(super().state(), "prefill", booting, inflight, self.manager.rooms,
+        return add_pd_state(super().state(), "prefill", booting, inflight, self.manager,
                             bootstrapping=booting, inflight=inflight, transfer_bytes=self.manager.bytes_sent,
                             transfer_seconds=self.manager.transfer_seconds)
 
