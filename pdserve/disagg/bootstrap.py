@@ -21,15 +21,17 @@ dropped after a few seconds.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import re
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Sequence
 
 from pdserve.disagg import protocol
 
@@ -162,6 +164,30 @@ class BootstrapServer:
         self._thread.join(5)
 
 
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+
+
+def bootstrap_url(host: object, port: object, allowed: Sequence[str] = ()) -> str:
+    """The URL of the prefill bootstrap server a request names, or ValueError naming the
+    field. The address comes from a client: only a hostname or an IP literal and a port
+    number pass (no path, userinfo or fragment can ride along), and with an allow-list
+    (``HOST`` or ``HOST:PORT`` entries) only the servers it names."""
+    if not isinstance(host, str) or not host:
+        raise ValueError("bootstrap_host: must be a hostname or an IP address")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+        if len(host) > 253 or not all(_HOST_LABEL.match(label) for label in host.rstrip(".").split(".")):
+            raise ValueError(f"bootstrap_host: {host[:80]!r} is not a hostname or an IP address") from None
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port <= 65535:
+        raise ValueError(f"bootstrap_port: must be an integer in [1, 65535], got {port!r}")
+    if allowed and host not in allowed and f"{host}:{port}" not in allowed:
+        raise ValueError(f"bootstrap_host: {host}:{port} is not among this server's "
+                         "--disaggregation-allowed-prefill")
+    return f"http://[{host}]:{port}" if ip is not None and ip.version == 6 else f"http://{host}:{port}"
+
+
 def reachable_host(host: str) -> str:
     """The address peers use to reach a server bound to ``host``: itself, unless it is a
     wildcard (0.0.0.0 in a container), then this machine's address by its hostname
@@ -203,6 +229,7 @@ def fetch_ranks(bootstrap_url: str, deadline_s: float, auth: protocol.Authentica
     client): only its status, or that its answer was not a rank list."""
     end = time.monotonic() + deadline_s
     last = "no answer"
+    pause = 0.05
     while True:
         headers = {AUTH_HEADER: protocol.encode(protocol.Heartbeat(auth.identity), auth).decode()} if auth else {}
         req = urllib.request.Request(bootstrap_url.rstrip("/") + "/ranks", headers=headers)
@@ -223,4 +250,5 @@ def fetch_ranks(bootstrap_url: str, deadline_s: float, auth: protocol.Authentica
         if time.monotonic() >= end:
             raise BootstrapError(f"bootstrap server {bootstrap_url} did not list the prefill ranks within "
                                  f"{deadline_s:g} s: {last}")
-        time.sleep(0.1)
+        pause = min(2.0, pause * 2)  # back off: a server that is not there is not polled ten times a second
+        time.sleep(min(pause, max(0.0, end - time.monotonic())))

@@ -190,6 +190,10 @@ class _Side:
     _link: _Link
 
     @property
+    def control_addr(self) -> str:
+        return self._link.addr
+
+    @property
     def refused_messages(self) -> int:
         """Control messages dropped unread: unsigned, forged, replayed or malformed."""
         return self._link.refused
@@ -266,10 +270,6 @@ class PrefillTransferManager(_Side):
         self._link = _Link(host, f"prefill{tp_rank}", cfg, self._receive, self._on_peer_dead)
         self._worker = threading.Thread(target=self._transfer_loop, name=f"prefill{tp_rank}-xfer", daemon=True)
         self._worker.start()
-
-    @property
-    def control_addr(self) -> str:
-        return self._link.addr
 
     def rank_info(self, tp_size: int, host: str) -> P.RankInfo:
         port = int(self._link.addr.rsplit(":", 1)[1])
@@ -575,32 +575,52 @@ class DecodeTransferManager(_Side):
         self._handshakes: dict[str, threading.Event] = {}
         self._handshake_error: dict[str, str] = {}
         self._connected: dict[str, list[_PrefillPeer]] = {}   # bootstrap url -> prefill ranks
-        self._attempts: dict[str, tuple[str, str]] = {}        # bootstrap url -> (state, failure reason)
+        self._attempts: dict[str, tuple[str, str, float]] = {}  # bootstrap url -> (state, failure reason, when)
+        # Connection attempts are bounded whatever the requests name: a few at a time
+        # (the rest queue), and a server that just failed is not tried again at once.
+        self._connect_queue: list[tuple[str, Callable[[], Sequence[P.RankInfo]]]] = []
+        self._connecting = 0
         self._lock = threading.Lock()
         self._link = _Link(host, f"decode{tp_rank}", cfg, self._receive, self._on_peer_dead)
+
+    MAX_CONNECTING = 4
+    RETRY_AFTER_S = 2.0
 
     def request_connect(self, bootstrap_url: str, fetch_ranks: Callable[[], Sequence[P.RankInfo]]) -> None:
         """Start connecting to a prefill server in the background (the scheduler loop
         never waits on a remote server): fetch its ranks from the bootstrap server,
-        then handshake with each. A failed attempt is retried by the next request."""
+        then handshake with each. A failed attempt is retried by a request arriving
+        RETRY_AFTER_S later; at most MAX_CONNECTING attempts run at once."""
+        now = time.monotonic()
         with self._lock:
             if bootstrap_url in self._connected:
                 return
             attempt = self._attempts.get(bootstrap_url)
-            if attempt is not None and attempt[0] == "pending":
+            if attempt is not None and (attempt[0] == "pending" or
+                                        attempt[0] == "failed" and now - attempt[2] < self.RETRY_AFTER_S):
                 return
-            self._attempts[bootstrap_url] = ("pending", "")
+            self._attempts[bootstrap_url] = ("pending", "", now)
+            self._connect_queue.append((bootstrap_url, fetch_ranks))
+            self._start_connecting()
 
-        def run() -> None:
-            try:
-                self.connect(bootstrap_url, fetch_ranks())
-                result = ("ok", "")
-            except Exception as exc:  # reported to every request waiting on this server
-                result = ("failed", f"cannot reach the prefill server at {bootstrap_url}: {exc}")
-            with self._lock:
-                self._attempts[bootstrap_url] = result
+    def _start_connecting(self) -> None:
+        """Start queued attempts while fewer than MAX_CONNECTING run (lock held)."""
+        while self._connect_queue and self._connecting < self.MAX_CONNECTING:
+            url, fetch = self._connect_queue.pop(0)
+            self._connecting += 1
+            threading.Thread(target=self._attempt, args=(url, fetch), name=f"decode{self.tp_rank}-connect",
+                             daemon=True).start()
 
-        threading.Thread(target=run, name=f"decode{self.tp_rank}-connect", daemon=True).start()
+    def _attempt(self, url: str, fetch_ranks: Callable[[], Sequence[P.RankInfo]]) -> None:
+        try:
+            self.connect(url, fetch_ranks())
+            result = ("ok", "")
+        except Exception as exc:  # reported to every request waiting on this server
+            result = ("failed", f"cannot reach the prefill server at {url}: {exc}")
+        with self._lock:
+            self._attempts[url] = (*result, time.monotonic())
+            self._connecting -= 1
+            self._start_connecting()
 
     def connection(self, bootstrap_url: str) -> tuple[str, list[_PrefillPeer] | str]:
         """("ok", peers), ("pending", "") or ("failed", reason) for a prefill server."""
@@ -608,7 +628,7 @@ class DecodeTransferManager(_Side):
             peers = self._connected.get(bootstrap_url)
             if peers is not None:
                 return "ok", peers
-            state, reason = self._attempts.get(bootstrap_url, ("failed", f"not connecting to {bootstrap_url}"))
+            state, reason, _ = self._attempts.get(bootstrap_url, ("failed", f"not connecting to {bootstrap_url}", 0.0))
             if state == "ok":  # connected, then its peer died: connect again
                 return "failed", f"lost the prefill server at {bootstrap_url}"
             return state, reason

@@ -25,6 +25,7 @@ from typing import Callable
 
 from pdserve.config import ServerArgs
 from pdserve.disagg import protocol as P
+from pdserve.disagg.bootstrap import bootstrap_url
 from pdserve.disagg.manager import DecodeTransferManager, LinkConfig
 from pdserve.disagg.rooms import RoomState
 from pdserve.model.parallel import TPGroup
@@ -63,9 +64,10 @@ class DecodeScheduler(Scheduler):
         for room in rooms:
             if room in self.handoffs or rooms.count(room) > 1:
                 raise ValueError(f"bootstrap_room: {room} is already in use by a live request")
+        urls = [bootstrap_url(s.bootstrap_host, s.bootstrap_port, self.args.disaggregation_allowed_prefill)
+                for s in samples]
         req.pending_forks = []  # (only now: if add() raises, the caller fails every sample)
-        for sample in samples:
-            url = f"http://{sample.bootstrap_host}:{sample.bootstrap_port}"
+        for sample, url in zip(samples, urls):
             self.manager.request_connect(url, functools.partial(self.fetch_ranks, url))
             self.handoffs.add(Handoff(sample, sample.bootstrap_room, Phase.QUEUED, peer_url=url))  # type: ignore
 

@@ -27,6 +27,9 @@ class ServerMetrics:
         self.pd_transfer_seconds = Gauge("pdserve:kv_transfer_seconds", "Time spent in KV writes", registry=r)
         self.pd_failures = Gauge("pdserve:disagg_failures", "Failed transfer rooms by reason", ["reason"],
                                  registry=r)
+        self.pd_refused = Gauge("pdserve:disagg_refused_messages",
+                                "PD control messages dropped unread (unsigned, forged, replayed, malformed)",
+                                registry=r)
         self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between output tokens",
@@ -53,6 +56,7 @@ class ServerMetrics:
             for reason, n in pd["failures"].items():
                 self.pd_failures.labels(reason).set(n)
             self.pd_transfer_bytes.set(pd.get("transfer_bytes", 0))
+            self.pd_refused.set(pd.get("refused_messages", 0))
             self.pd_transfer_seconds.set(pd.get("transfer_seconds", 0.0))
 
     def render(self) -> bytes:

@@ -138,3 +138,25 @@ def test_unreachable_bootstrap_fails_within_deadline():
     assert time.monotonic() - t0 < 5
     with pytest.raises(BootstrapError, match="unreachable"):
         register_rank("http://127.0.0.1:1", rank(0), REGISTRY, timeout_s=1)
+
+
+@pytest.mark.parametrize("host,port,allowed,expect", [
+    ("127.0.0.1", 8998, (), "http://127.0.0.1:8998"),
+    ("::1", 8998, (), "http://[::1]:8998"),
+    ("prefill-0.pd.svc", 8998, ("prefill-0.pd.svc",), "http://prefill-0.pd.svc:8998"),
+    ("127.0.0.1:32001/secret-path#", 8998, (), "bootstrap_host: .* is not a hostname"),
+    ("user@evil", 1, (), "bootstrap_host"),
+    ("", 1, (), "bootstrap_host"),
+    (7, 1, (), "bootstrap_host"),
+    ("h", "8998", (), "bootstrap_port"),
+    ("h", True, (), "bootstrap_port"),
+    ("h", 0, (), "bootstrap_port"),
+    ("10.0.0.9", 8998, ("10.0.0.1", "10.0.0.9:9000"), "not among this server's --disaggregation-allowed-prefill"),
+])
+def test_bootstrap_addresses_from_clients_are_checked(host, port, allowed, expect):
+    from pdserve.disagg.bootstrap import bootstrap_url
+    if expect.startswith("http"):
+        assert bootstrap_url(host, port, allowed) == expect
+    else:
+        with pytest.raises(ValueError, match=expect):
+            bootstrap_url(host, port, allowed)

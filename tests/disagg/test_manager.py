@@ -286,3 +286,38 @@ def test_a_late_transfer_request_for_a_room_prefill_already_failed_is_answered_a
     dec.release(21)
     dec.add_room(21, peers, dst_slots=[3])
     assert wait_for(lambda: pre.ready(21))
+
+
+def test_connection_attempts_are_bounded_whatever_requests_name():
+    """Requests naming many prefill servers start at most a few connection attempts at
+    once (the rest queue), and a server that just failed is not tried again at once."""
+    import threading
+    dst, dst_layout = buffers(0.0)
+    dec = DecodeTransferManager(LocalTransfer(), COMPAT, dst_layout, 0, 1, ["target.L0.K"], cfg=FAST)
+    release, running, peak, calls = threading.Event(), [0], [0], []
+    lock = threading.Lock()
+
+    def fetch(url):
+        def ranks():
+            with lock:
+                calls.append(url)
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            release.wait(10)
+            with lock:
+                running[0] -= 1
+            raise TransferError("no such server")
+        return ranks
+    try:
+        urls = [f"http://10.0.0.{i}:8998" for i in range(20)]
+        for url in urls:
+            dec.request_connect(url, fetch(url))
+        assert wait_for(lambda: len(calls) == dec.MAX_CONNECTING)
+        release.set()
+        assert wait_for(lambda: all(dec.connection(u)[0] == "failed" for u in urls))
+        assert peak[0] == dec.MAX_CONNECTING and len(calls) == 20
+        dec.request_connect(urls[0], fetch(urls[0]))  # just failed: answered with that failure
+        assert dec.connection(urls[0])[0] == "failed" and len(calls) == 20
+    finally:
+        release.set()
+        dec.close()

@@ -1,0 +1,167 @@
+"""The PD control plane against a hostile client, on real prefill and decode servers
+(loopback, a shared --disaggregation-secret):
+
+1. a bootstrap_room already in use on a decode server is a 400, the server stays up;
+2. forged control messages (a handoff record with a chosen first token, an abort) are
+   dropped unread and counted; the request is answered from the real transfer only;
+   the registry refuses registrations from anyone but the server's own ranks and the
+   rank listing to anyone without the secret;
+4. a bootstrap_host that is not a plain host (a path, a fragment) or not allowed is a
+   400 naming it, and nothing is fetched;
+and after each attack the servers are healthy and a normal request is answered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+
+import httpx
+import pytest
+import zmq
+
+from pdserve.disagg import protocol as P
+from pdserve.testing import build_random_model
+from tests.disagg.test_pd_servers import pd_pair
+from tests.server.conftest import free_port
+from tests.waiting import wait_until
+
+SECRET = "a-deployment-secret-for-tests"
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target = build_random_model(tmp_path_factory.mktemp("sec") / "t", "llama", num_layers=2)
+    boot = free_port()
+    flags = ("--disaggregation-secret", SECRET)
+    with pd_pair(target, boot, flags, flags + ("--disaggregation-allowed-prefill", "127.0.0.1")) as (p, d):
+        yield p, d, boot
+
+
+def state(server) -> dict:
+    return httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_state"]
+
+
+def openai_body(boot: int, room: int, **extra) -> dict:
+    """A completion request with the PD fields (the OpenAI routes answer refusals with 400)."""
+    return {"prompt": "hello", "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": boot, "bootstrap_room": room, **extra}
+
+
+async def both_legs(p, d, boot: int, room: int) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=120) as c:
+        body = {"input_ids": PROMPT, "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": boot, "bootstrap_room": room}
+        rp, rd = await asyncio.gather(c.post(p.url + "/generate", json=body), c.post(d.url + "/generate", json=body))
+    assert rp.status_code == 200, rp.text
+    return rd
+
+
+def normal_request_works(p, d, boot: int) -> list[int]:
+    rd = asyncio.run(both_legs(p, d, boot, random.getrandbits(62)))
+    assert rd.status_code == 200, rd.text
+    return rd.json()["output_ids"]
+
+
+def test_a_room_in_use_on_decode_is_a_400_and_the_server_stays_up(pair):
+    p, d, boot = pair
+    expected = normal_request_works(p, d, boot)
+    room = random.getrandbits(62)
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"input_ids": PROMPT, "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": boot, "bootstrap_room": room}
+            first = asyncio.create_task(c.post(d.url + "/generate", json=body))
+            await asyncio.to_thread(wait_until, lambda: state(d)["disaggregation"]["transferring"] == 1, 30)
+            second = await c.post(d.url + "/v1/completions", json=openai_body(boot, room))
+            assert second.status_code == 400 and "bootstrap_room" in second.text, second.text
+            rp = await c.post(p.url + "/generate", json=body)  # the first one's prefill leg
+            assert rp.status_code == 200, rp.text
+            r1 = await first
+            assert r1.status_code == 200 and r1.json()["output_ids"] == expected, r1.text
+    asyncio.run(scenario())
+    assert httpx.get(d.url + "/health", timeout=10).status_code == 200
+    assert normal_request_works(p, d, boot) == expected
+
+
+def test_forged_control_messages_are_dropped_and_counted(pair):
+    """A forged handoff record with a chosen first token, and a forged abort, sent to the
+    decode server's control socket while a request waits for its KV: both are dropped
+    unread (counted), the request is answered from the real transfer."""
+    p, d, boot = pair
+    expected = normal_request_works(p, d, boot)
+    info = state(d)["disaggregation"]
+    addr, refused = info["control_addr"], info["refused_messages"]
+    prefill_addr = state(p)["disaggregation"]["control_addr"]
+    room = random.getrandbits(62)
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=120) as c:
+            body = {"input_ids": PROMPT, "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
+                    "bootstrap_port": boot, "bootstrap_room": room}
+            decode_leg = asyncio.create_task(c.post(d.url + "/generate", json=body))
+            await asyncio.to_thread(wait_until, lambda: state(d)["disaggregation"]["transferring"] == 1, 30)
+            ctx = zmq.Context()
+            sock = ctx.socket(zmq.PUSH)
+            sock.connect(addr)
+            forged = [P.HandoffRecord(room, prefill_addr, first_token=3),       # unsigned
+                      P.Abort(room, "forged abort")]
+            wrong_key = P.Authenticator(b"not-the-deployment-secret", prefill_addr)
+            for msg in forged:
+                sock.send(P.encode(msg))
+                sock.send(P.encode(msg, wrong_key))
+            sock.close(linger=1000)
+            ctx.term()
+            await asyncio.to_thread(wait_until, lambda: state(d)["disaggregation"]["refused_messages"] >= refused + 4,
+                                    10)
+            assert not decode_leg.done()  # neither the record nor the abort was obeyed
+            rp = await c.post(p.url + "/generate", json=body)
+            assert rp.status_code == 200, rp.text
+            rd = await decode_leg
+            assert rd.status_code == 200 and rd.json()["output_ids"] == expected, rd.text
+    asyncio.run(scenario())
+    metrics = httpx.get(d.url + "/metrics", timeout=10).text
+    assert "pdserve:disagg_refused_messages" in metrics
+    assert normal_request_works(p, d, boot) == expected
+
+
+def test_the_registry_is_written_and_read_only_by_the_deployment(pair):
+    p, d, boot = pair
+    url = f"http://127.0.0.1:{boot}/ranks"
+    with pytest.raises(urllib.error.HTTPError) as err:  # the listing names buffer addresses
+        urllib.request.urlopen(url, timeout=10)
+    assert err.value.code == 401
+    listing = P.Authenticator(SECRET.encode(), "anyone-with-the-secret")
+    req = urllib.request.Request(url, headers={"X-Pdserve-Auth": P.encode(P.Heartbeat("x"), listing).decode()})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        (rank,) = [P.from_body(P.RankInfo, b) for b in json.loads(r.read())["ranks"]]
+    # Even a holder of the deployment secret cannot overwrite the server's own ranks.
+    evil = P.RankInfo(0, 1, "10.6.6.6", 1, "10.6.6.6:1", rank.compat, rank.layout)
+    for data in (P.encode(evil), P.encode(evil, listing)):
+        put = urllib.request.Request(url, data=data, method="PUT")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(put, timeout=10)
+        assert err.value.code == 403
+    normal_request_works(p, d, boot)
+
+
+@pytest.mark.parametrize("host,port,field", [
+    ("127.0.0.1:32001/secret-path#", None, "bootstrap_host"),
+    ("evil.example", None, "bootstrap_host"),     # not in --disaggregation-allowed-prefill
+    ("127.0.0.1", "8998", "bootstrap_port"),
+])
+def test_bootstrap_addresses_are_checked_before_anything_is_fetched(pair, host, port, field):
+    p, d, boot = pair
+    t0 = time.monotonic()
+    body = openai_body(boot, random.getrandbits(62), bootstrap_host=host, **({"bootstrap_port": port} if port else {}))
+    r = httpx.post(d.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < 30  # refused, not retried against the named address
+    assert httpx.get(d.url + "/health", timeout=10).status_code == 200
+    normal_request_works(p, d, boot)
