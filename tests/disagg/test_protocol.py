@@ -59,3 +59,32 @@ def test_bad_messages_are_refused(data, match):
 def test_only_messages_encode():
     with pytest.raises(P.ProtocolError, match="not a wire message"):
         P.encode(COMPAT)
+
+
+def test_signed_messages_are_checked_before_their_body_is_read():
+    import json as _json
+    import time as _time
+    sender, receiver = P.Authenticator(b"s" * 16, "tcp://a:1"), P.Authenticator(b"s" * 16, "tcp://b:2")
+    msg = P.HandoffRecord(7, "tcp://a:1", first_token=5)
+    data = P.encode(msg, sender)
+    assert P.decode(data, receiver) == msg
+    with pytest.raises(P.AuthError, match="replayed"):
+        P.decode(data, receiver)
+    with pytest.raises(P.AuthError, match="unsigned"):
+        P.decode(P.encode(msg), receiver)
+    with pytest.raises(P.AuthError, match="bad signature"):
+        P.decode(P.encode(msg, P.Authenticator(b"t" * 16, "tcp://a:1")), receiver)
+    tampered = _json.loads(P.encode(msg, sender))
+    tampered["body"]["first_token"] = 6  # a chosen token under a real signature
+    with pytest.raises(P.AuthError, match="bad signature"):
+        P.decode(_json.dumps(tampered).encode(), receiver)
+    stale = sender.seal({"v": PROTOCOL_VERSION, "type": "Abort", "body": {"room": 1, "reason": "x"}})
+    stale["ts"] = _time.time() - 3600
+    stale["mac"] = sender.mac({k: v for k, v in stale.items() if k != "mac"})
+    with pytest.raises(P.AuthError, match="stale"):
+        P.decode(_json.dumps(stale).encode(), receiver)
+    assert receiver.refused == 5
+    with pytest.raises(P.ProtocolError, match="no --disaggregation-secret"):
+        P.decode(P.encode(msg, sender))  # a signed message to a server without a secret
+    with pytest.raises(ValueError):
+        P.Authenticator(b"short", "x")
