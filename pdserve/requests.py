@@ -40,6 +40,10 @@ class ApiFields:
 
 
 NATIVE_FIELDS = ApiFields()
+# A prompt with more characters than this many per token of the context is refused before it
+# is tokenized (tokenizing costs time and memory in proportion to its length): it could only
+# fit if its tokens averaged longer than this, which real tokenizers' tokens do not.
+MAX_CHARS_PER_TOKEN = 32
 
 
 def sample_seed(base: int, index: int) -> int:
@@ -68,6 +72,17 @@ class RequestBuilder:
         self.max_n = max_n
         self._rng = random.Random(random_seed)
 
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.context_len * MAX_CHARS_PER_TOKEN
+
+    def check_chars(self, chars: int, field_name: str, what: str = "") -> None:
+        """Refuse text too long to fit the context whatever its tokens (before tokenizing)."""
+        if chars > self.max_prompt_chars:
+            raise ValueError(f"{field_name}: {what}{chars} characters cannot fit the context length "
+                             f"{self.context_len} (at most {self.max_prompt_chars}: {MAX_CHARS_PER_TOKEN} "
+                             "characters per token)")
+
     def token_ids(self, prompt: Any, input_ids: Any, prompt_field: str = "prompt",
                   ids_field: str = "input_ids") -> tuple[list[list[int]], bool]:
         """Normalise a prompt (str | [str]) or input_ids ([int] | [[int]]) to a list of
@@ -80,6 +95,7 @@ class RequestBuilder:
             if not isinstance(texts, (list, tuple)) or not texts or not all(isinstance(t, str) for t in texts):
                 raise ValueError(f"{prompt_field}: must be a string or a non-empty list of strings")
             for t in texts:
+                self.check_chars(len(t), prompt_field)
                 check_text(t, prompt_field)
             ids = [self.tokenizer(t)["input_ids"] for t in texts]
         else:
@@ -88,6 +104,8 @@ class RequestBuilder:
             single = not isinstance(input_ids[0], (list, tuple))
             ids = [list(input_ids)] if single else [list(x) for x in input_ids]
             for seq in ids:
+                if len(seq) >= self.context_len:  # as check_lengths would, before a check per id
+                    raise ValueError(f"prompt: {len(seq)} tokens do not fit the context length {self.context_len}")
                 if not all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
                     raise ValueError(f"{ids_field}: token ids must be integers")
                 bad = [t for t in seq if not 0 <= t < self.vocab_size]

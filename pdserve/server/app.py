@@ -1,10 +1,11 @@
-"""The FastAPI app of the HTTP process: error handlers, API-key check, and the routes
-of `service_routes` (health, info, metrics, aborts), `openai_routes` (/v1/...) and
-`native_routes` (/generate). Every error leaves as OpenAI's error body."""
+"""The FastAPI app of the HTTP process: error handlers, the key check and body limit of
+`http_front`, and the routes of `service_routes` (health, info, metrics, aborts),
+`openai_routes` (/v1/...) and `native_routes` (/generate). Every error leaves as
+OpenAI's error body."""
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import ServerArgs
 from pdserve.server.http_common import error_body
+from pdserve.server.http_front import BodyLimit, KeyCheck
 from pdserve.server.native_routes import NativeRoutes
 from pdserve.server.openai_routes import OpenAIRoutes
 from pdserve.server.protocol import ApiError
@@ -28,7 +30,10 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
     app.exception_handler(StarletteHTTPException)(http_error)
     app.exception_handler(ServerUnavailable)(unavailable)
     app.exception_handler(ClientGone)(client_gone)
-    app.middleware("http")(ApiKeyCheck(args.api_key))
+    # The last added runs first: keys before the body is read, so that a client without
+    # one cannot make the server buffer a body.
+    app.add_middleware(BodyLimit, max_bytes=args.max_request_bytes)
+    app.add_middleware(KeyCheck, api_key=args.api_key, admin_api_key=args.admin_api_key)
     ServiceRoutes(args, manager, model_name, server_info).register(app)
     NativeRoutes(args, manager).register(app)
     OpenAIRoutes(args, manager, model_name).register(app)
@@ -74,19 +79,3 @@ async def unavailable(_: Request, exc: ServerUnavailable) -> JSONResponse:
 
 async def client_gone(_: Request, exc: ClientGone) -> Response:
     return Response(status_code=499)  # nobody reads it: the client closed the connection
-
-
-# ---- auth --------------------------------------------------------------------------------
-class ApiKeyCheck:
-    """HTTP middleware: with --api-key, every route but /health needs `Bearer KEY`
-    (/health stays open for load balancers and orchestrators)."""
-
-    def __init__(self, api_key: str | None) -> None:
-        self.api_key = api_key
-
-    async def __call__(self, request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if self.api_key and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {self.api_key}":
-                return JSONResponse(error_body("invalid or missing API key", "authentication_error", None, 401),
-                                    status_code=401)
-        return await call_next(request)

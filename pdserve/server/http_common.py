@@ -18,6 +18,13 @@ def error_body(message: str, kind: str, param: str | None, code: int) -> dict[st
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+def client_rids(rid: Any) -> list[str]:
+    """The rids a request body names (a string or a list; no rid: the server makes one)."""
+    if isinstance(rid, str):
+        return [rid]
+    return [r for r in rid if isinstance(r, str)] if isinstance(rid, list) else []
+
+
 def sse(data: Any) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 

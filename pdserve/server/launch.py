@@ -25,6 +25,7 @@ from pdserve.scheduler.worker import free_tcp_port
 from pdserve.server import ipc
 from pdserve.server.detokenizer import run_detokenizer_process
 from pdserve.server.app import create_app
+from pdserve.server.http_front import MAX_HEADER_BYTES, protocol_class
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.scheduler_process import run_scheduler_process
 from pdserve.server.tokenizer_manager import TokenizerManager
@@ -129,8 +130,11 @@ def launch(args: ServerArgs) -> int:
 
         app = create_app(args, manager, model_name, server_info)
         app.router.lifespan_context = lifespan
+        # Slow, idle or oversized clients are cut off before they reach the app (http_front).
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, http=protocol_class(args.request_read_timeout),
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                                timeout_keep_alive=min(5.0, args.request_read_timeout))
         server = _Server(config)
         logging.getLogger("uvicorn.access").addFilter(_quiet_probes)
         server.run()

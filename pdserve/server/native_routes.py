@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.config import ServerArgs
 from pdserve.scheduler.messages import NewRequest
-from pdserve.server.http_common import bootstrap_of, client_gone, error_body, sse
+from pdserve.server.http_common import bootstrap_of, client_gone, client_rids, error_body, sse
 from pdserve.server.protocol import ApiError, GenerateRequest, from_value_error, refuse_unsupported
 from pdserve.server.results import SampleOutput, native_result
 from pdserve.server.tokenizer_manager import Job, ServerUnavailable, TokenizerManager
@@ -62,8 +62,9 @@ class NativeRoutes:
     async def generate(self, req: GenerateRequest, request: Request) -> Response:
         check_generate_fields(req)
         try:
-            requests, single = generate_requests(self.args, self.manager, req)
-            job = await self.manager.submit(requests)
+            with self.manager.preparing_rids(client_rids(req.rid)):
+                requests, single = await self.manager.off_loop(generate_requests, self.args, self.manager, req)
+                job = await self.manager.submit(requests)
         except ValueError as exc:
             raise from_value_error(exc) from None
         if req.stream:

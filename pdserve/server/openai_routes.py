@@ -9,6 +9,7 @@ messages through the shared RequestBuilder (errors name the OpenAI fields:
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any, AsyncIterator, Callable, Union
 
@@ -19,7 +20,7 @@ from pdserve.config import ServerArgs
 from pdserve.requests import ApiFields, RequestBuilder, check_new_tokens, check_text
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import NewRequest
-from pdserve.server.http_common import bootstrap_of, client_gone, error_body, sse
+from pdserve.server.http_common import bootstrap_of, client_gone, client_rids, error_body, sse
 from pdserve.server.messages import TextUpdate
 from pdserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, from_value_error,
                                      refuse_unsupported)
@@ -51,13 +52,51 @@ def check_completion_fields(req: CompletionRequest, served: str) -> None:
         raise ApiError("echo: echo with logprobs (prompt logprobs) is not supported", "echo")
 
 
-def check_chat_fields(req: ChatCompletionRequest, served: str) -> None:
+def check_chat_fields(req: ChatCompletionRequest, served: str, template_args: frozenset[str],
+                      allow_client_template: bool) -> None:
     refuse_unsupported(req)
     check_model(req.model, served)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise ApiError("top_logprobs: must be in [0, 20]", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise ApiError("top_logprobs: requires logprobs to be true", "top_logprobs")
+    check_chat_template_kwargs(req.chat_template_kwargs or {}, template_args, allow_client_template)
+
+
+# What the template call takes as its own arguments, whatever the installed transformers adds
+# (`template_call_args` adds the tokenizer's own signature).
+TEMPLATE_CALL_ARGS = frozenset({
+    "messages", "conversation", "conversations", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+
+
+def template_call_args(tokenizer: Any) -> frozenset[str]:
+    """The keys `chat_template_kwargs` may not use: the template call's own arguments."""
+    try:
+        names = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    except (AttributeError, TypeError, ValueError):
+        names = set()
+    return TEMPLATE_CALL_ARGS | {n for n in names if n not in ("self", "kwargs")}
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any], template_args: frozenset[str],
+                               allow_client_template: bool) -> None:
+    """`chat_template_kwargs` are variables of the chat template: they change the prompt,
+    and with it the results. A client's own template (`chat_template`, Jinja the server
+    would run) is refused unless --allow-client-chat-template; the other arguments of the
+    template call (`template_args`: `tools`, `add_generation_prompt`, ...) are not variables
+    and are refused."""
+    for key in kwargs:
+        if key == "chat_template":
+            if not allow_client_template:
+                raise ApiError("chat_template_kwargs.chat_template: a client-supplied chat template is refused "
+                               "(the server starts with --allow-client-chat-template to accept one)",
+                               "chat_template_kwargs")
+        elif key in template_args:
+            raise ApiError(f"chat_template_kwargs.{key}: is an argument of the template call, not a template "
+                           "variable; not supported", "chat_template_kwargs")
 
 
 def sampling_params(req: OpenAIRequest, max_tokens: int, names: ApiFields) -> SamplingParams:
@@ -90,7 +129,7 @@ def completion_requests(args: ServerArgs, builder: RequestBuilder, req: Completi
                          bootstrap_of(args, req, params), COMPLETION_FIELDS), texts
 
 
-def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
+def chat_prompt(builder: RequestBuilder, req: ChatCompletionRequest) -> str:
     """The conversation rendered by the chat template. Raises ValueError naming the field."""
     messages = []
     for i, m in enumerate(req.messages):
@@ -102,11 +141,16 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
             content = m.content or ""
         check_text(content, f"messages[{i}].content")
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    # Before rendering: the conversation alone (each message at least its role and content).
+    builder.check_chars(sum(len(m["role"]) + len(m["content"]) for m in messages), "messages", "the conversation's ")
     try:
-        prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                    **(req.chat_template_kwargs or {}))
+        prompt_text = builder.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                            **(req.chat_template_kwargs or {}))
     except Exception as exc:  # a template that rejects the conversation
         raise ValueError(f"messages: the chat template failed: {exc}") from None
+    if not isinstance(prompt_text, str):
+        raise ValueError("messages: the chat template did not render one prompt")
+    builder.check_chars(len(prompt_text), "messages", "the rendered conversation's ")
     # The contents are checked above, so invalid text here came from the template's kwargs.
     check_text(prompt_text, "chat_template_kwargs")
     return prompt_text
@@ -114,7 +158,7 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
 
 def chat_requests(args: ServerArgs, builder: RequestBuilder, req: ChatCompletionRequest) -> list[NewRequest]:
     """The message of a chat body (one prompt). Raises ValueError naming the field."""
-    ids = builder.tokenizer(chat_prompt(builder.tokenizer, req), add_special_tokens=False)["input_ids"]
+    ids = builder.tokenizer(chat_prompt(builder, req), add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError("messages: the conversation is empty")
     explicit = req.max_completion_tokens is not None  # the newer name wins over max_tokens
@@ -213,6 +257,7 @@ class OpenAIRoutes:
         self.manager = manager
         self.model_name = model_name
         self.texts = TokenTexts(manager.tokenizer)
+        self.template_args = template_call_args(manager.tokenizer)
 
     def register(self, app: FastAPI) -> None:
         app.post("/v1/completions")(self.completions)
@@ -229,8 +274,10 @@ class OpenAIRoutes:
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
         check_completion_fields(req, self.model_name)
         try:
-            requests, texts = completion_requests(self.args, self.manager.builder, req)
-            job = await self.manager.submit(requests)
+            with self.manager.preparing_rids(client_rids(req.rid)):
+                requests, texts = await self.manager.off_loop(completion_requests, self.args,
+                                                              self.manager.builder, req)
+                job = await self.manager.submit(requests)
         except ValueError as exc:
             raise from_value_error(exc) from None
         head = self._head(f"cmpl-{job.states[0].rid}", "text_completion")
@@ -250,9 +297,11 @@ class OpenAIRoutes:
         return JSONResponse({**head, "choices": choices, "usage": usage(job.states)})
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Response:
-        check_chat_fields(req, self.model_name)
+        check_chat_fields(req, self.model_name, self.template_args, self.args.allow_client_chat_template)
         try:
-            job = await self.manager.submit(chat_requests(self.args, self.manager.builder, req))
+            with self.manager.preparing_rids(client_rids(req.rid)):
+                requests = await self.manager.off_loop(chat_requests, self.args, self.manager.builder, req)
+                job = await self.manager.submit(requests)
         except ValueError as exc:
             raise from_value_error(exc) from None
         head = self._head(f"chatcmpl-{job.states[0].rid}", "chat.completion")

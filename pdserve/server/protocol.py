@@ -78,6 +78,10 @@ class SGLangExtensions(_Strict):
     separate_reasoning: Optional[bool] = None
     stream_reasoning: Optional[bool] = None
     spaces_between_special_tokens: Optional[bool] = None
+    # Changes the prompt, so results: variables of the chat template (e.g. enable_thinking).
+    # Its key "chat_template" (a client's own Jinja) is refused unless
+    # --allow-client-chat-template, arguments of the template call always
+    # (`openai_routes.check_chat_template_kwargs`).
     chat_template_kwargs: Optional[dict[str, Any]] = None
     # Would change results: refused when set.
     continue_final_message: Optional[bool] = None

@@ -100,6 +100,8 @@ class ServiceRoutes:
         rid = body.get("rid")
         if not isinstance(rid, str):
             raise ApiError("rid: must be a string", "rid")
-        found = await self.manager.abort(rid)
+        # With --admin-api-key set, KeyCheck let only its holder reach this route: only
+        # then may an abort for a rid not seen yet wait for it (see TokenizerManager.abort).
+        found = await self.manager.abort(rid, remember=bool(self.args.admin_api_key))
         # SGLang answers 200 whether or not the request was still running.
         return JSONResponse({"rid": rid, "aborted": found})

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -68,7 +70,14 @@ class RequestState:
         return self.error is not None or all(s.finish is not None for s in self.samples)
 
 
-EARLY_ABORT_S = 10.0       # how long an abort waits for its request to arrive
+# How long an admin's abort waits for a request that has not reached this process yet
+# (see `TokenizerManager.abort`): a PD router aborts the other leg of a failed request,
+# which left the router at the same moment and is at most a network hop behind.
+EARLY_ABORT_S = 2.0
+# Threads that tokenize prompts and render chat templates, off the event loop.
+PREPARE_THREADS = 2
+
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
@@ -108,9 +117,11 @@ class TokenizerManager:
         self.to_scheduler = ipc.socket(self.ctx, zmq.PUSH, paths.scheduler, bind=False)
         self.inbox = ipc.socket(self.ctx, zmq.PULL, paths.http, bind=True)
         self.requests: dict[str, RequestState] = {}
-        # rid -> when an abort for it arrived before the request did (a router aborts
-        # the other leg of a failed request, which may still be on its way here).
+        # rid -> whether it was aborted, for the requests being tokenized (not yet submitted).
+        self.preparing: dict[str, bool] = {}
+        # rid -> when an admin's abort for it arrived before the request did.
         self.early_aborts: dict[str, float] = {}
+        self.executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pdserve-prepare")
         self.replies: dict[str, asyncio.Future] = {}
         self.query_lock = asyncio.Lock()
         self.dead_reason: str | None = None
@@ -122,7 +133,28 @@ class TokenizerManager:
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
         self.ctx.destroy(linger=0)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a preparing thread: tokenization and template rendering take time
+        in proportion to what a client sent, and the event loop serves everyone."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    @contextlib.contextmanager
+    def preparing_rids(self, rids: Sequence[str]) -> Iterator[None]:
+        """Around building and submitting a request whose client named its rids: an abort
+        that arrives meanwhile is kept and applied on submission. Raises ValueError if a
+        rid is already in flight (before any tokenizing is spent on it)."""
+        busy = [r for r in rids if r in self.requests or r in self.preparing]
+        if busy:
+            raise ValueError(f"rid: {busy[0]!r} is already in flight")
+        self.preparing.update((r, False) for r in rids)
+        try:
+            yield
+        finally:
+            for r in rids:
+                self.preparing.pop(r, None)
 
     # ---- submitting -----------------------------------------------------------------
     def check_alive(self) -> None:
@@ -143,22 +175,37 @@ class TokenizerManager:
         for state in states:
             self.requests[state.rid] = state
         await self.to_scheduler.send(ipc.dumps(Command(add=tuple(requests))))
-        overtaken = tuple(st.rid for st in states if self.early_aborts.pop(st.rid, None) is not None)
+        overtaken = tuple(st.rid for st in states if self._early_abort(st.rid) or self.preparing.get(st.rid))
         if overtaken:
             await self.to_scheduler.send(ipc.dumps(Command(abort=overtaken)))
         return Job(states, queue)
 
-    async def abort(self, rid: str) -> bool:
-        """Abort a live request; an abort that overtakes its request is remembered for
-        EARLY_ABORT_S and applied when the request arrives. Returns whether it was live."""
-        if rid not in self.requests:
+    def _early_abort(self, rid: str) -> bool:
+        """Whether an abort for `rid` overtook it within EARLY_ABORT_S (forgotten once asked)."""
+        at = self.early_aborts.pop(rid, None)
+        return at is not None and time.monotonic() - at <= EARLY_ABORT_S
+
+    async def abort(self, rid: str, remember: bool = False) -> bool:
+        """Abort a request that is live or being prepared (tokenized; it ends aborted once
+        submitted). Returns whether there was one.
+
+        An abort for a rid this process has not seen is kept (EARLY_ABORT_S, for the first
+        request with that rid) only when ``remember``: the caller holds the admin key, as a
+        PD router does when it aborts a leg that may still be on its way. Any other caller
+        could otherwise poison a rid another client will use; it races nothing it may abort
+        (a router without the admin key asks again until the rid is seen)."""
+        if rid in self.requests:
+            await self.to_scheduler.send(ipc.dumps(Command(abort=(rid,))))
+            return True
+        if rid in self.preparing:
+            self.preparing[rid] = True
+            return True
+        if remember:
             now = time.monotonic()
             for old in [r for r, t in self.early_aborts.items() if now - t > EARLY_ABORT_S]:
                 del self.early_aborts[old]
             self.early_aborts[rid] = now
-            return False
-        await self.to_scheduler.send(ipc.dumps(Command(abort=(rid,))))
-        return True
+        return False
 
     async def stream(self, job: Job) -> AsyncIterator[tuple[RequestState, TextUpdate]]:
         """Yield (state, update) until every prompt of the job has finished. If the

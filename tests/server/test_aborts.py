@@ -1,10 +1,9 @@
 """Aborts a router relies on: a non-streaming request whose client disconnects is aborted
-(KV freed); an abort that overtakes its request is applied when the request arrives;
-batched completions take one rid per prompt; prompt logprobs are refused, not ignored."""
+(KV freed); batched completions take one rid per prompt; prompt logprobs are refused,
+not ignored. Aborts for rids not seen yet (kept only for the admin) are in
+tests/security/test_http_front.py."""
 
 from __future__ import annotations
-
-import time
 
 import httpx
 import pytest
@@ -36,20 +35,6 @@ def test_non_streaming_client_disconnect_aborts(server, llama_dir, path, body):
     wait_until(lambda: server.finished("abort") == aborts + 1, 10.0,
                what=lambda: f"an abort after the disconnect (state: {server.state()})")
     server.assert_pools_full()
-
-
-def test_abort_that_overtakes_its_request_is_applied_on_arrival(server):
-    r = server.client.post("/abort_request", json={"rid": "early-1"})
-    assert r.status_code == 200 and r.json() == {"rid": "early-1", "aborted": False}
-    t0 = time.monotonic()
-    out = server.client.post("/generate", json={"text": "x", "rid": "early-1",
-                                                 "sampling_params": dict(GREEDY, max_new_tokens=960)}).json()
-    assert out["meta_info"]["finish_reason"]["type"] == "abort", out["meta_info"]
-    assert len(out["output_ids"]) < 960 and time.monotonic() - t0 < 5
-    # Remembered once: the same rid later runs normally.
-    out = server.client.post("/generate", json={"text": "x", "rid": "early-1",
-                                                 "sampling_params": dict(GREEDY, max_new_tokens=4)}).json()
-    assert out["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_batched_completions_take_one_rid_per_prompt(server, llama_dir):
