@@ -4,6 +4,7 @@
     pdserve up --prefill 2 --decode 2 --speculative-algorithm EAGLE
     pdserve up --disaggregation-mode null        # one colocated server
     pdserve up --model-path DIR --port 8000 --page-size 16   # unknown flags go to every server
+    pdserve up --api-key KEY --admin-api-key ADMIN_KEY       # the router and every server
 
 It starts the servers (free ports picked at run time, bootstrap ports too), waits
 until each answers `/health`, starts the router in front of them, prints the URL and
@@ -43,6 +44,9 @@ class UpArgs:
     port: int
     startup_timeout: float
     server_args: tuple[str, ...]  # passed through to every server
+    api_key: str | None = None        # the router's and every server's
+    admin_api_key: str | None = None
+    router_args: tuple[str, ...] = ()  # the server limits the router checks too (--max-n, ...)
 
 
 def parse_args(argv: Sequence[str]) -> UpArgs:
@@ -62,6 +66,10 @@ def parse_args(argv: Sequence[str]) -> UpArgs:
     ap.add_argument("--host", default="127.0.0.1", help="address of the router (and of every server)")
     ap.add_argument("--port", type=int, default=30000, help="the deployment's HTTP port (router, or the server)")
     ap.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
+    ap.add_argument("--api-key", default=None,
+                    help="required from clients by the router and by every server (the router sends it on)")
+    ap.add_argument("--admin-api-key", default=None,
+                    help="required on /abort_request and /flush_cache, of the router and of every server")
     ns, rest = ap.parse_known_args(list(argv))
     if ns.prefill < 1:
         ap.error(f"--prefill: must be >= 1, got {ns.prefill}")
@@ -82,7 +90,34 @@ def parse_args(argv: Sequence[str]) -> UpArgs:
     if clash is not None:
         ap.error(f"{clash.split('=', 1)[0]}: set by pdserve up itself (use its own flags)")
     return UpArgs(ns.model_path, ns.disaggregation_mode, ns.prefill, ns.decode, ns.speculative_algorithm, draft,
-                  ns.speculative_prefill, ns.host, ns.port, ns.startup_timeout, tuple(rest))
+                  ns.speculative_prefill, ns.host, ns.port, ns.startup_timeout, tuple(rest), ns.api_key,
+                  ns.admin_api_key, _router_limits(rest))
+
+
+ROUTER_LIMITS = ("--max-n", "--max-request-bytes")  # server flags the router checks as well
+
+
+def _router_limits(server_args: Sequence[str]) -> tuple[str, ...]:
+    """The servers' limits the router must apply too (else it refuses what they accept)."""
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name in ROUTER_LIMITS:
+        ap.add_argument(name)
+    ns, _ = ap.parse_known_args(list(server_args))
+    out: list[str] = []
+    for name in ROUTER_LIMITS:
+        value = getattr(ns, name[2:].replace("-", "_"))
+        if value is not None:
+            out += [name, value]
+    return tuple(out)
+
+
+def key_args(args: UpArgs) -> list[str]:
+    """The keys, as the router and the servers spell them."""
+    out: list[str] = []
+    for name, value in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key)):
+        if value is not None:
+            out += [name, value]
+    return out
 
 
 def free_port(host: str) -> int:
@@ -142,7 +177,17 @@ class Deployment:
                "--disaggregation-mode", mode]
         if a.model_path is not None:
             cmd += ["--model-path", a.model_path]
-        return cmd + extra + list(a.server_args)
+        return cmd + extra + key_args(a) + list(a.server_args)
+
+    def _router_cmd(self, prefill: list[tuple[str, int]], decode: list[str]) -> list[str]:
+        a = self.args
+        cmd = [sys.executable, "-m", "pdserve.router", "--pd-disaggregation", "--host", a.host,
+               "--port", str(a.port), *key_args(a), *a.router_args]
+        for url, boot in prefill:
+            cmd += ["--prefill", url, str(boot)]
+        for url in decode:
+            cmd += ["--decode", url]
+        return cmd
 
     def _speculative(self) -> list[str]:
         a = self.args
@@ -173,14 +218,8 @@ class Deployment:
                                 f"http://{a.host}:{port}", self._server_env())
             decode.append(child.url)
         self._wait_healthy()
-        router = [sys.executable, "-m", "pdserve.router", "--pd-disaggregation", "--host", a.host,
-                  "--port", str(a.port)]
-        for url, boot in prefill:
-            router += ["--prefill", url, str(boot)]
-        for url in decode:
-            router += ["--decode", url]
         url = f"http://{a.host}:{a.port}"
-        self._start("router", router, url)
+        self._start("router", self._router_cmd(prefill, decode), url)
         self._wait_healthy()
         return url
 
@@ -237,8 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = dep.start()
         where = ("router in front of " + f"{args.num_prefill} prefill + {args.num_decode} decode server(s)"
                  if args.mode == "pd" else "one colocated server")
+        auth = " -H 'Authorization: Bearer <your --api-key>'" if args.api_key else ""
         print(f"pdserve up: {where} ready at {url}\n"
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
               "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is 12 + 7?\"}]}'\n"
               "  Ctrl-C stops everything.", flush=True)
         while not stop_requested.is_set():

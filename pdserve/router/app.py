@@ -1,16 +1,23 @@
 """The router's HTTP front: the servers' OpenAI and native routes in front of the
 workers, plus health, aggregated server info, metrics and aborts.
 
-The router does not validate requests beyond "a JSON object without the fields the
-router owns": the workers validate, and their verdict (status and body) is passed
+The router validates only what its own work depends on, before doing any (limits.py:
+body size and nesting depth, `n`, `rid`, samples per request) and refuses the fields it
+owns; the workers validate the rest, and their verdict (status and body) is passed
 through unchanged.
+
+Keys (as the servers check them): `--api-key` is required on every route but /health
+(the admin key opens them too); with `--admin-api-key`, the admin routes
+(/abort_request, /flush_cache) require that key, the API key is not enough. The router sends
+the same keys to the workers (the admin key on their admin routes), so the servers
+behind it should be started with the same keys.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import hmac
 import logging
 import secrets
 import time
@@ -25,16 +32,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import error_body
+from pdserve.router.limits import Refusal, check_generation, parse_json, read_body
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import make_policy
 from pdserve.router.proxy import Proxy, Reply, StreamSession
-from pdserve.router.rooms import ROUTER_FIELDS
+from pdserve.router.rooms import ROUTER_FIELDS, shape_of
 from pdserve.router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+ADMIN_ROUTES = ("/abort_request", "/flush_cache")
 INFO_TIMEOUT_S = 5.0
 
 
@@ -45,17 +54,26 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, status), status_code=status)
 
 
+def _authorized(headers: Any, *keys: str | None) -> bool:
+    """`Authorization: Bearer KEY` for one of `keys`, compared in constant time (as the
+    servers compare it)."""
+    got = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+    return any([hmac.compare_digest(got, f"Bearer {key}".encode()) for key in keys if key])
+
+
 class _ApiKey:
     """Pure ASGI (not BaseHTTPMiddleware, which would wrap `receive` and hide client
-    disconnects from the routes): every route but /health needs the key."""
+    disconnects from the routes): every route but /health needs the key (or the admin
+    key), but the admin routes when an admin key guards them (they check it themselves)."""
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
+    def __init__(self, app: ASGIApp, key: str, admin_key: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.keys = (key, admin_key)
+        self.exempt = ("/health", *(ADMIN_ROUTES if admin_key else ()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path") != "/health":
-            if dict(scope.get("headers") or ()).get(b"authorization") != self.expected:
+        if scope["type"] == "http" and scope.get("path") not in self.exempt:
+            if not _authorized(scope.get("headers") or (), *self.keys):
                 await _error("invalid or missing API key", 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -106,6 +124,8 @@ class Router:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         self.worker_headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.admin_headers = {"authorization": f"Bearer {cfg.admin_api_key}"} if cfg.admin_api_key \
+            else self.worker_headers
 
         def make_client() -> httpx.AsyncClient:
             # keepalive_expiry below the servers' (uvicorn's) 5 s keep-alive: the router never
@@ -121,7 +141,8 @@ class Router:
         self.proxy = Proxy(self.registry, self.metrics, pd=pd,
                            prefill_policy=make_policy(cfg.prefill_policy, **policy_args) if pd else None,
                            decode_policy=make_policy(cfg.decode_policy if pd else cfg.policy, **policy_args),
-                           retries=cfg.retries, headers=self.worker_headers, randbits=randbits)
+                           retries=cfg.retries, headers=self.worker_headers, admin_headers=self.admin_headers,
+                           randbits=randbits)
         self.roles = ("prefill", "decode") if pd else ("plain",)
 
     async def start(self) -> None:
@@ -160,7 +181,7 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.router = router
     if cfg.api_key:
-        app.add_middleware(_ApiKey, key=cfg.api_key)
+        app.add_middleware(_ApiKey, key=cfg.api_key, admin_key=cfg.admin_api_key)
     metrics, proxy, registry = router.metrics, router.proxy, router.registry
 
     @app.exception_handler(StarletteHTTPException)
@@ -173,26 +194,31 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
         logger.error("router error", exc_info=exc)
         return _error(f"router error: {type(exc).__name__}: {exc}", 500)
 
+    async def json_object(request: Request) -> dict[str, Any]:
+        """The body as a JSON object, read and parsed within the limits (else Refusal)."""
+        body = parse_json(await read_body(request, cfg.max_request_bytes))
+        if not isinstance(body, dict):
+            raise Refusal("body: must be a JSON object", "body")
+        return body
+
     # ---- generation -------------------------------------------------------------------
+    def refused(route: str, exc: Refusal) -> Response:
+        metrics.errors.labels("bad_request").inc()
+        metrics.requests.labels(route, "client_error").inc()
+        return _error(exc.message, exc.status, exc.param)
+
     async def generation(route: str, request: Request) -> Response:
         arrived = time.perf_counter()
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            metrics.errors.labels("bad_request").inc()
-            metrics.requests.labels(route, "client_error").inc()
-            return _error("body: malformed JSON", 400, "body")
-        if not isinstance(body, dict):
-            metrics.errors.labels("bad_request").inc()
-            metrics.requests.labels(route, "client_error").inc()
-            return _error("body: must be a JSON object", 400, "body")
-        if cfg.pd_disaggregation:
-            for name in ROUTER_FIELDS:
-                if body.get(name) is not None:
-                    metrics.errors.labels("bad_request").inc()
-                    metrics.requests.labels(route, "client_error").inc()
-                    return _error(f"{name}: is set by the router (one room per sample); do not send it", 400, name)
+            body = await json_object(request)
+            if cfg.pd_disaggregation:
+                for name in ROUTER_FIELDS:
+                    if body.get(name) is not None:
+                        raise Refusal(f"{name}: is set by the router (one room per sample); do not send it", name)
+            check_generation(route, body, shape_of(route, body), max_n=cfg.max_n,
+                             max_samples=cfg.max_request_samples)
+        except Refusal as exc:
+            return refused(route, exc)
         if body.get("stream") is True:
             completed, opened = await _until_disconnect(request, proxy.open_stream(route, body, arrived))
             if isinstance(opened, StreamSession):
@@ -269,24 +295,38 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
     async def prometheus() -> Response:
         return Response(metrics.render(registry.workers), media_type=CONTENT_TYPE_LATEST)
 
+    # ---- admin routes: the admin key when there is one --------------------------------
+    def not_admin(request: Request) -> Response | None:
+        if cfg.admin_api_key and not _authorized(request.headers.raw, cfg.admin_api_key):
+            return _error("invalid or missing admin API key (--admin-api-key)", 401)
+        return None
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
+        """Abort a request in flight by its rid (the client's own, else the router's),
+        whoever sent it: with --admin-api-key only the admin may."""
+        denied = not_admin(request)
+        if denied is not None:
+            return denied
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return _error("body: malformed JSON", 400, "body")
-        rid = body.get("rid") if isinstance(body, dict) else None
+            rid = (await json_object(request)).get("rid")
+        except Refusal as exc:
+            return _error(exc.message, exc.status, exc.param)
         if not isinstance(rid, str):
             return _error("rid: must be a string", 400, "rid")
         return JSONResponse({"rid": rid, "aborted": await proxy.abort_by_rid(rid)})
 
     @app.post("/flush_cache")
-    async def flush_cache() -> Response:
+    async def flush_cache(request: Request) -> Response:
         """Flush every healthy worker; 200 only if all of them flushed."""
+        denied = not_admin(request)
+        if denied is not None:
+            return denied
+
         async def one(w: Worker) -> str | None:
             try:
-                r = await w.client.post(w.url + "/flush_cache", headers=router.worker_headers,
-                                             timeout=INFO_TIMEOUT_S)
+                r = await w.client.post(w.url + "/flush_cache", headers=router.admin_headers,
+                                        timeout=INFO_TIMEOUT_S)
                 return None if r.status_code == 200 else f"{w.url}: {r.status_code} {r.text.strip()}"
             except httpx.HTTPError as exc:
                 return f"{w.url}: {type(exc).__name__}"

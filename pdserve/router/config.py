@@ -56,6 +56,15 @@ class RouterConfig:
     request_timeout: float = 1800.0
     connect_timeout: float = 2.0
     api_key: str | None = None
+    # When set, /abort_request and /flush_cache need it instead of api_key (and the router
+    # sends it to the workers on those routes).
+    admin_api_key: str | None = None
+    # Checked before any per-request work (the servers' defaults): a body above
+    # max_request_bytes is a 413, n above max_n or more than max_request_samples samples
+    # (prompts x n) in one request a 400.
+    max_n: int = 16
+    max_request_bytes: int = 8 << 20
+    max_request_samples: int = 65536
     # cache_aware: route to the worker whose cached prefix covers more than this share
     # of the request, unless it has more than balance_abs_threshold requests in flight
     # above the least loaded worker.
@@ -104,6 +113,9 @@ class RouterConfig:
             raise ConfigError(f"--balance-abs-threshold: must be >= 0, got {self.balance_abs_threshold}")
         if self.max_tree_size < 1:
             raise ConfigError(f"--max-tree-size: must be >= 1, got {self.max_tree_size}")
+        for name, least in (("max_n", 1), ("max_request_bytes", 1024), ("max_request_samples", 1)):
+            if getattr(self, name) < least:
+                raise ConfigError(f"--{name.replace('_', '-')}: must be >= {least}, got {getattr(self, name)}")
 
     @property
     def all_workers(self) -> tuple[WorkerSpec, ...]:
@@ -172,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--connect-timeout", type=float, default=2.0, metavar="S")
     ap.add_argument("--api-key", default=None,
                     help="clients must send 'Authorization: Bearer KEY'; also sent to the workers")
+    ap.add_argument("--admin-api-key", default=None,
+                    help="/abort_request and /flush_cache need 'Authorization: Bearer KEY' (not --api-key); "
+                         "also sent to the workers on those routes")
+    ap.add_argument("--max-n", type=int, default=16, help="upper bound on n per request (the servers' --max-n)")
+    ap.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="BYTES",
+                    help="larger bodies are refused (413) before they are read")
+    ap.add_argument("--max-request-samples", type=int, default=65536, metavar="N",
+                    help="upper bound on prompts x n in one request (one bootstrap room each)")
     ap.add_argument("--cache-threshold", type=float, default=0.5)
     ap.add_argument("--balance-abs-threshold", type=int, default=32)
     ap.add_argument("--max-tree-size", type=int, default=1 << 22)
@@ -194,5 +214,7 @@ def from_cli(argv: Sequence[str] | None = None) -> RouterConfig:
         (policy if policy != "cache_aware" else "round_robin"), policy=policy,
         health_check_interval=ns.health_check_interval, health_check_timeout=ns.health_check_timeout,
         retries=ns.retries, request_timeout=ns.request_timeout, connect_timeout=ns.connect_timeout,
-        api_key=ns.api_key, cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
+        api_key=ns.api_key, admin_api_key=ns.admin_api_key, max_n=ns.max_n,
+        max_request_bytes=ns.max_request_bytes, max_request_samples=ns.max_request_samples,
+        cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
         max_tree_size=ns.max_tree_size, log_level=ns.log_level)

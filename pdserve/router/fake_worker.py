@@ -46,6 +46,11 @@ class FakeWorker:
     aborts: list[str] = field(default_factory=list)
     live: dict[str, asyncio.Event] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)   # rids answered in full
+    # Keys as the servers check them (admin routes: the admin key when set; the others: the
+    # API key, or the admin key)
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    auth: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Authorization) of each request
 
     def app(self) -> FastAPI:
         return build_app(self)
@@ -80,8 +85,32 @@ def _max_tokens(route: str, body: dict[str, Any], default: int) -> int:
     return int(value) if isinstance(value, int) else default
 
 
+class _Keys:
+    """Records each request's Authorization header and checks it as the servers do
+    (pure ASGI: the routes still see client disconnects)."""
+
+    def __init__(self, app: Any, worker: FakeWorker) -> None:
+        self.app, self.w = app, worker
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        w, path = self.w, scope.get("path")
+        if scope["type"] == "http" and path != "/health":
+            got = dict(scope.get("headers") or ()).get(b"authorization")
+            got = got.decode() if got is not None else None
+            w.auth.append((path, got))
+            if w.admin_api_key is not None and path in ("/abort_request", "/flush_cache"):
+                keys = {w.admin_api_key}
+            else:
+                keys = {w.api_key, w.admin_api_key} if w.api_key is not None else set()
+            if keys and got not in {f"Bearer {k}" for k in keys if k is not None}:
+                await _err("invalid or missing API key", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(w: FakeWorker) -> FastAPI:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Keys, worker=w)
 
     @app.get("/health")
     async def health() -> Response:

@@ -97,7 +97,7 @@ class _Attempt:
 class Proxy:
     def __init__(self, registry: WorkerRegistry, metrics: RouterMetrics, *,
                  pd: bool, prefill_policy: Policy | None, decode_policy: Policy, retries: int,
-                 headers: dict[str, str] | None = None,
+                 headers: dict[str, str] | None = None, admin_headers: dict[str, str] | None = None,
                  randbits: Callable[[int], int] = secrets.randbits) -> None:
         self.registry = registry
         self.metrics = metrics
@@ -106,6 +106,8 @@ class Proxy:
         self.decode_policy = decode_policy
         self.retries = retries
         self.headers = {"content-type": "application/json", **(headers or {})}
+        # /abort_request on the workers: their admin key when the router has one
+        self.admin_headers = {**self.headers, **(admin_headers or {})}
         self.randbits = randbits
         self.decode_role = "decode" if pd else "plain"
         # rid (as the client knows it) -> the attempt now serving it, for /abort_request
@@ -144,7 +146,7 @@ class Proxy:
         att = _Attempt(route, prefill, decode, rid_list(rids))
         for key in self._client_keys(body, att):
             self.active[key] = att
-        return att, json.dumps(lb).encode()
+        return att, json.dumps(lb, separators=(",", ":")).encode()
 
     def _client_keys(self, body: dict[str, Any], att: _Attempt) -> list[str]:
         """The rids a client may abort this request by: its own, else the router's."""
@@ -235,7 +237,7 @@ class Proxy:
         for _ in range(ABORT_TRIES):
             try:
                 r = await worker.client.post(worker.url + "/abort_request", json={"rid": rid},
-                                           headers=self.headers, timeout=5.0)
+                                             headers=self.admin_headers, timeout=5.0)
                 if r.status_code != 200 or r.json().get("aborted"):
                     return
             except ValueError:
@@ -283,6 +285,9 @@ class Proxy:
         client aborted, or the retries are spent (then the last failure's reply).
         ``keeps_attempt``: a successful attempt stays registered (a stream forgets it
         when it closes)."""
+        busy = next((rid for rid in rid_list(body.get("rid")) if rid in self.active), None)
+        if busy is not None:  # (checked and registered with no await in between)
+            return Reply(400, error_bytes(f"rid: {busy!r} is already in flight", 400, "rid"))
         shape = shape_of(route, body)
         exclude: set[Worker] = set()
         failure: Failure | None = None

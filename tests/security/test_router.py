@@ -1,0 +1,369 @@
+"""Issue 28, the router's part: a hostile client on loopback, against a real router
+process in front of fake workers (which record what reaches them).
+
+- Finding 7: `n`, `rid`, body size and nesting depth are refused (4xx naming the
+  field, never 500) before the router does any per-request work or sends anything.
+- Finding 9: with --admin-api-key, only the admin aborts by rid or flushes caches; a
+  rid in flight cannot be taken over by another request.
+- Finding 10: keys are compared in constant time, the router sends them on to the
+  workers, and `pdserve up` starts its servers with the router's keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import types
+from typing import Any, Iterator
+
+import httpx
+import psutil
+import pytest
+
+import pdserve.router.app as router_app
+from pdserve.router.fake_worker import FakeWorker, ThreadedServer
+from pdserve.up import Deployment, parse_args
+from tests.router.conftest import RouterProcess, fake_deployment
+from tests.server.conftest import assert_openai_error
+from tests.waiting import wait_until
+
+USER, ADMIN = "user-key-0123456789", "admin-key-0123456789"
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+GENERATE = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+
+
+class Deployed:
+    def __init__(self, router: RouterProcess, prefill: FakeWorker, decode: FakeWorker) -> None:
+        self.router, self.prefill, self.decode = router, prefill, decode
+        self.client = router.client
+
+    def seen(self) -> int:
+        """Requests that reached a worker (generation legs)."""
+        return len(self.prefill.requests) + len(self.decode.requests)
+
+    def assert_healthy_and_serving(self, headers: dict[str, str] | None = None) -> None:
+        assert self.router.proc.poll() is None, self.router.output()
+        assert self.client.get("/health").status_code == 200
+        r = self.client.post("/v1/chat/completions", json=CHAT, headers=headers)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "ab"
+        assert "router error" not in self.router.output()  # the handler of unexpected exceptions
+
+
+@contextlib.contextmanager
+def deployed(*flags: str, api_key: str | None = None, admin_api_key: str | None = None) -> Iterator[Deployed]:
+    prefill = FakeWorker("prefill", api_key=api_key, admin_api_key=admin_api_key)
+    decode = FakeWorker("decode", api_key=api_key, admin_api_key=admin_api_key)
+    with ThreadedServer(prefill.app()) as p, ThreadedServer(decode.app()) as d:
+        router = RouterProcess("--pd-disaggregation", "--prefill", p.url, "9000", "--decode", d.url, *flags)
+        try:
+            yield Deployed(router, prefill, decode)
+        finally:
+            router.close()
+
+
+@pytest.fixture(scope="module")
+def open_router() -> Iterator[Deployed]:
+    with deployed() as dep:
+        yield dep
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[Deployed]:
+    """Router and workers with the same keys (as `pdserve up --api-key --admin-api-key`)."""
+    with deployed("--api-key", USER, "--admin-api-key", ADMIN, "--max-request-bytes", "4096",
+                  api_key=USER, admin_api_key=ADMIN) as dep:
+        yield dep
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def raw_http(port: int, head: str, body: bytes = b"", timeout: float = 30.0) -> bytes:
+    """One request over a raw socket (to send what httpx would not: a Content-Length
+    without its body, a chunked body); returns the response's head and as much as came."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head.encode() + body)
+        out = b""
+        while b"\r\n\r\n" not in out:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+        return out
+
+
+# ---- finding 7: validation before any work -------------------------------------------------
+def test_huge_n_is_refused_before_any_work(open_router):
+    dep = open_router
+    seen = dep.seen()
+    rss = psutil.Process(dep.router.proc.pid).memory_info().rss
+    for route, body in (("/v1/chat/completions", dict(CHAT, n=3_000_000)),
+                        ("/v1/completions", dict(COMPLETION, n=3_000_000)),
+                        ("/generate", {"text": "hi", "sampling_params": {"n": 3_000_000}})):
+        t0 = time.monotonic()
+        err = assert_openai_error(dep.client.post(route, json=body), 400, ("n",))
+        assert err["param"] == "n" and "--max-n" in err["message"], err
+        assert time.monotonic() - t0 < 5.0  # it took 8.2 s (and 421 MB) before the fix
+    assert dep.seen() == seen  # no worker saw any of them
+    assert psutil.Process(dep.router.proc.pid).memory_info().rss - rss < 100 << 20
+    dep.assert_healthy_and_serving()
+
+
+@pytest.mark.parametrize("n", [True, False, 1.5, 2.0, "2", [2], {"n": 2}, 0, -1, 17])
+def test_bad_n_is_a_400_naming_n(open_router, n):
+    dep = open_router
+    seen = dep.seen()
+    for route, body in (("/v1/chat/completions", dict(CHAT, n=n)),
+                        ("/v1/completions", dict(COMPLETION, n=n)),
+                        ("/generate", {"text": "hi", "sampling_params": {"n": n}}),
+                        ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": n}]})):
+        err = assert_openai_error(dep.client.post(route, json=body), 400, ("n",))
+        assert err["param"] == "n", err
+    assert dep.seen() == seen
+
+
+@pytest.mark.parametrize("rid", [7, 1.5, True, False, {"a": 1}, ["a", 1], [None], [["a"]]])
+def test_bad_rid_is_a_400_naming_rid(open_router, rid):
+    dep = open_router
+    seen = dep.seen()
+    for route, body in (("/v1/chat/completions", dict(CHAT, rid=rid)),
+                        ("/v1/completions", dict(COMPLETION, rid=rid)),
+                        ("/generate", dict(GENERATE, rid=rid)),
+                        ("/abort_request", {"rid": rid})):
+        err = assert_openai_error(dep.client.post(route, json=body), 400, ("rid",))
+        assert err["param"] == "rid", (route, err)
+    assert dep.seen() == seen
+
+
+def test_rid_lists_must_match_the_prompts(open_router):
+    dep = open_router
+    seen = dep.seen()
+    for route, body in (("/v1/chat/completions", dict(CHAT, rid=["a"])),           # chat: one string
+                        ("/generate", {"text": ["x", "y"], "rid": ["a"]}),          # one per prompt
+                        ("/generate", {"text": ["x", "y"], "rid": "a"}),
+                        ("/generate", {"text": ["x", "y"], "rid": ["a", "a"]}),     # distinct
+                        ("/v1/completions", {"prompt": ["x", "y"], "rid": ["a", "b", "c"]}),
+                        ("/abort_request", {"rid": None}), ("/abort_request", {})):
+        err = assert_openai_error(dep.client.post(route, json=body), 400, ("rid",))
+        assert err["param"] == "rid", (route, err)
+    assert dep.seen() == seen
+    # The right shapes pass.
+    assert dep.client.post("/generate", json={"text": ["x", "y"], "rid": ["r1", "r2"]}).status_code == 200
+    assert dep.client.post("/generate", json=dict(GENERATE, rid=["r3"])).status_code == 200
+    assert dep.client.post("/v1/chat/completions", json=dict(CHAT, rid="r4")).status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/generate", "/abort_request"])
+@pytest.mark.parametrize("depth", [65, 500, 100_000])
+def test_deep_nesting_is_a_400_naming_body(open_router, route, depth):
+    """Deeper than the C parser's recursion limit (it was a RecursionError, a 500 on
+    /abort_request) and deeper than the router's 64 levels."""
+    dep = open_router
+    seen = dep.seen()
+    raw = b'{"rid": ' + b"[" * depth + b"]" * depth + b"}"
+    err = assert_openai_error(dep.client.post(route, content=raw), 400, ("body",))
+    assert err["param"] == "body" and "nested" in err["message"], err
+    assert dep.seen() == seen
+
+
+def test_nesting_within_the_limit_and_brackets_in_strings_pass(open_router):
+    dep = open_router
+    seen = dep.seen()
+    deep = {"role": "user", "content": "[" * 5000 + "{" * 5000}  # brackets in a string do not nest
+    r = dep.client.post("/v1/chat/completions", json=dict(CHAT, messages=[deep]))
+    assert r.status_code == 200, r.text
+    nested: Any = "x"
+    for _ in range(60):
+        nested = [nested]
+    r = dep.client.post("/v1/completions", json=dict(COMPLETION, user_metadata=nested))
+    assert r.status_code == 200, r.text
+    assert dep.seen() == seen + 4
+
+
+def test_too_many_samples_are_refused_before_any_work(open_router):
+    dep = open_router
+    seen = dep.seen()
+    err = assert_openai_error(dep.client.post("/generate", json={"text": [""] * 40_000, "sampling_params": {"n": 2}}),
+                              400, ("text",))
+    assert "--max-request-samples" in err["message"], err
+    err = assert_openai_error(dep.client.post("/v1/completions", json={"prompt": ["x"] * 70_000}), 400, ("prompt",))
+    assert dep.seen() == seen
+
+
+def test_body_over_the_limit_is_a_413_before_it_is_read(open_router, keyed):
+    # Default limit (8 MiB): a Content-Length above it is answered before any byte of the body.
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {(8 << 20) + 1}\r\n\r\n")
+    answer = raw_http(open_router.router.port, head)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    # A chunked body is cut off once it passes the limit (4096 on this router).
+    head = (f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {USER}\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n")
+    payload = b'{"text": "' + b"x" * 5000 + b'"}'
+    answer = raw_http(keyed.router.port, head, f"{len(payload):x}\r\n".encode() + payload + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    # The same through httpx, with its OpenAI-shaped body naming the body.
+    err = assert_openai_error(keyed.client.post("/abort_request", json={"rid": "x" * 5000}, headers=bearer(ADMIN)),
+                              413)
+    assert err["param"] == "body" and "--max-request-bytes" in err["message"], err
+    open_router.assert_healthy_and_serving()
+    keyed.assert_healthy_and_serving(bearer(USER))
+
+
+def test_no_hostile_body_reached_a_worker_or_broke_the_router(open_router):
+    """Every refusal above happened at the router: the workers only saw the requests
+    that were meant to pass, and the router still serves."""
+    dep = open_router
+    bad = {"rid": 1, "n": 0, "bootstrap_room": 3}
+    for route in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        r = dep.client.post(route, json=bad)
+        assert 400 <= r.status_code < 500, r.text
+    for body in (b"", b"null", b"[]", b"\xff\xfe", b"{\"rid\": \"\\ud800", b'"' + b"\\u" * 10):
+        for route in ("/generate", "/abort_request"):
+            r = dep.client.post(route, content=body)
+            assert 400 <= r.status_code < 500, (route, body, r.text)
+    bodies = [b for _, b in dep.decode.requests]
+    assert all(isinstance(b.get("rid"), (str, list)) for b in bodies)
+    dep.assert_healthy_and_serving()
+
+
+# ---- finding 9: aborts and admin routes ----------------------------------------------------
+def _hold(dep: Deployed, rid: str, headers: dict[str, str]) -> tuple[threading.Thread, dict]:
+    """A request that stays in flight on decode until aborted."""
+    dep.decode.faults.hold = True
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(r=httpx.post(
+        dep.router.url + "/generate", json={"text": "x", "rid": rid}, headers=headers, timeout=30)))
+    t.start()
+    wait_until(lambda: rid in dep.decode.live)
+    return t, box
+
+
+def test_with_an_admin_key_only_the_admin_aborts_or_flushes(keyed):
+    dep = keyed
+    t, box = _hold(dep, "victim", bearer(USER))
+    try:
+        for headers in ({}, bearer(USER), bearer(ADMIN + "x"), {"Authorization": ADMIN}):
+            assert_openai_error(dep.client.post("/abort_request", json={"rid": "victim"}, headers=headers), 401)
+            assert_openai_error(dep.client.post("/flush_cache", headers=headers), 401)
+        assert "victim" in dep.decode.live and "victim" not in dep.decode.aborts
+        # Another client cannot take the rid over while it is in flight.
+        seen = dep.seen()
+        err = assert_openai_error(dep.client.post("/generate", json={"text": "y", "rid": "victim"},
+                                                  headers=bearer(USER)), 400, ("rid",))
+        assert "in flight" in err["message"]
+        assert dep.seen() == seen
+        r = dep.client.post("/abort_request", json={"rid": "victim"}, headers=bearer(ADMIN))
+        assert r.status_code == 200 and r.json() == {"rid": "victim", "aborted": True}
+        t.join(30)
+        assert box["r"].status_code == 200 and box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    finally:
+        dep.decode.faults.hold = False
+        for ev in list(dep.decode.live.values()):
+            ev.set()
+        t.join(30)
+    # The router sent the admin key to the workers' admin routes, the API key elsewhere.
+    wait_until(lambda: ("/abort_request", f"Bearer {ADMIN}") in dep.decode.auth)
+    assert dep.client.post("/flush_cache", headers=bearer(ADMIN)).status_code == 200
+    for w in (dep.prefill, dep.decode):
+        assert ("/flush_cache", f"Bearer {ADMIN}") in w.auth
+        assert {a for p, a in w.auth if p == "/generate"} == {f"Bearer {USER}"}
+        assert all(a != f"Bearer {USER}" for p, a in w.auth if p in ("/abort_request", "/flush_cache"))
+    # The router has no worker-management routes to protect (workers are fixed at start).
+    for path in ("/add_worker", "/remove_worker", "/list_workers", "/workers"):
+        assert dep.client.post(path, headers=bearer(USER)).status_code in (404, 405)
+    dep.assert_healthy_and_serving(bearer(USER))
+
+
+def test_without_an_admin_key_aborts_stay_open_to_api_clients(open_router):
+    """SGLang's behaviour, kept when no admin key is set: any client aborts by rid."""
+    dep = open_router
+    t, box = _hold(dep, "shared-rid", {})
+    try:
+        assert_openai_error(dep.client.post("/generate", json={"text": "y", "rid": "shared-rid"}), 400, ("rid",))
+        assert dep.client.post("/abort_request", json={"rid": "shared-rid"}).json()["aborted"] is True
+        t.join(30)
+        assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    finally:
+        dep.decode.faults.hold = False
+        t.join(30)
+    # Once it is over, the rid is free again.
+    assert dep.client.post("/generate", json={"text": "y", "rid": "shared-rid"}).status_code == 200
+
+
+# ---- finding 10: keys ----------------------------------------------------------------------
+def test_keys_are_checked_on_every_route_but_health(keyed):
+    dep = keyed
+    seen = dep.seen()
+    for headers in ({}, bearer(USER[:-1]), bearer(USER + "x"), {"Authorization": f"bearer {USER}"},
+                    {"Authorization": USER}):
+        assert_openai_error(dep.client.post("/v1/chat/completions", json=CHAT, headers=headers), 401)
+        assert_openai_error(dep.client.get("/get_server_info", headers=headers), 401)
+    assert dep.seen() == seen
+    assert dep.client.get("/health").status_code == 200
+    r = dep.client.get("/get_server_info", headers=bearer(USER))
+    assert r.status_code == 200 and all(w["healthy"] for w in r.json()["decode"]), r.text
+    dep.assert_healthy_and_serving(bearer(USER))
+    dep.assert_healthy_and_serving(bearer(ADMIN))  # as on the servers, the admin key opens every route
+
+
+def test_keys_are_compared_in_constant_time(monkeypatch):
+    calls: list[tuple[bytes, bytes]] = []
+
+    def compare_digest(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return a == b
+    monkeypatch.setattr(router_app, "hmac", types.SimpleNamespace(compare_digest=compare_digest))
+    with fake_deployment(1, 1, "--api-key", USER, "--admin-api-key", ADMIN) as dep:
+        assert dep.client.post("/v1/completions", json=COMPLETION, headers=bearer("nope")).status_code == 401
+        assert dep.client.post("/v1/completions", json=COMPLETION, headers=bearer(USER)).status_code == 200
+        assert dep.client.post("/flush_cache", headers=bearer(USER)).status_code == 401
+        assert dep.client.post("/flush_cache", headers=bearer(ADMIN)).status_code == 200
+    assert (b"Bearer nope", f"Bearer {USER}".encode()) in calls
+    assert (f"Bearer {USER}".encode(), f"Bearer {ADMIN}".encode()) in calls
+    assert (f"Bearer {ADMIN}".encode(), f"Bearer {ADMIN}".encode()) in calls
+
+
+def test_a_router_without_the_workers_keys_gets_their_401():
+    """Servers started with keys are closed to a client that only knows the router:
+    here the router itself lacks them, and the workers' 401 passes through."""
+    w = FakeWorker("plain", api_key=USER)
+    with ThreadedServer(w.app()) as s:
+        router = RouterProcess("--worker-urls", s.url)
+        try:
+            assert_openai_error(router.client.post("/v1/completions", json=COMPLETION), 401)
+        finally:
+            router.close()
+        router = RouterProcess("--worker-urls", s.url, "--api-key", USER)
+        try:
+            r = router.client.post("/v1/completions", json=COMPLETION, headers=bearer(USER))
+            assert r.status_code == 200, r.text
+        finally:
+            router.close()
+
+
+def test_up_starts_every_server_and_the_router_with_the_keys():
+    args = parse_args(["--api-key", USER, "--admin-api-key", ADMIN, "--max-n", "32", "--page-size", "16"])
+    dep = Deployment(args, threading.Event())
+    for cmd in (dep._server_cmd(1, "prefill", []), dep._server_cmd(2, "decode", []),
+                dep._router_cmd([("http://127.0.0.1:1", 3)], ["http://127.0.0.1:2"])):
+        joined = " ".join(cmd)
+        assert f"--api-key {USER}" in joined and f"--admin-api-key {ADMIN}" in joined, cmd
+        assert "--max-n 32" in joined, cmd  # the router applies the servers' limit, not its default
+    assert "--page-size" not in " ".join(dep._router_cmd([], []))
+    plain = Deployment(parse_args([]), threading.Event())
+    assert "--api-key" not in " ".join(plain._server_cmd(1, "prefill", []) + plain._router_cmd([], []))
+
+
+@pytest.mark.parametrize("argv, flag", [(["--max-n", "0"], "--max-n"), (["--max-request-bytes", "100"],
+                                                                       "--max-request-bytes"),
+                                        (["--max-request-samples", "0"], "--max-request-samples")])
+def test_limit_flags_name_the_flag(argv, flag):
+    from pdserve.router.config import ConfigError, from_cli
+    with pytest.raises(ConfigError, match=f"^{flag}:"):
+        from_cli(["--worker-urls", "http://127.0.0.1:1", *argv])
