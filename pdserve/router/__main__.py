@@ -24,7 +24,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.getLogger("pdserve.router").warning(
         "router (%s mode) on http://%s:%d: %s", mode, cfg.host, cfg.port,
         ", ".join(f"{w.role} {w.url}" for w in cfg.all_workers))
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False)
+    from pdserve.server.http_front import MAX_HEADER_BYTES, protocol_class
+
+    # Slow, idle or oversized clients are cut off before they reach the app, as on the servers.
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                http=protocol_class(cfg.request_read_timeout), h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                timeout_keep_alive=min(5.0, cfg.request_read_timeout))
 
 
 if __name__ == "__main__":

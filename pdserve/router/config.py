@@ -65,6 +65,8 @@ class RouterConfig:
     max_n: int = 16
     max_request_bytes: int = 8 << 20
     max_request_samples: int = 65536
+    # A client must deliver a request's headers and body within this many seconds.
+    request_read_timeout: float = 10.0
     # cache_aware: route to the worker whose cached prefix covers more than this share
     # of the request, unless it has more than balance_abs_threshold requests in flight
     # above the least loaded worker.
@@ -99,7 +101,8 @@ class RouterConfig:
             # Decode's KV comes from prefill: prefix affinity means nothing there.
             raise ConfigError("--decode-policy: cache_aware only applies to prefill (decode has no prefix cache "
                               "to aim at); use round_robin, random or power_of_two")
-        positive = ("health_check_interval", "health_check_timeout", "request_timeout", "connect_timeout")
+        positive = ("health_check_interval", "health_check_timeout", "request_timeout", "connect_timeout",
+                    "request_read_timeout")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(self, name)}")
@@ -192,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="larger bodies are refused (413) before they are read")
     ap.add_argument("--max-request-samples", type=int, default=65536, metavar="N",
                     help="upper bound on prompts x n in one request (one bootstrap room each)")
+    ap.add_argument("--request-read-timeout", type=float, default=10.0, metavar="S",
+                    help="a client must send a request's headers and body within this (else 408, closed)")
     ap.add_argument("--cache-threshold", type=float, default=0.5)
     ap.add_argument("--balance-abs-threshold", type=int, default=32)
     ap.add_argument("--max-tree-size", type=int, default=1 << 22)
@@ -216,5 +221,6 @@ def from_cli(argv: Sequence[str] | None = None) -> RouterConfig:
         retries=ns.retries, request_timeout=ns.request_timeout, connect_timeout=ns.connect_timeout,
         api_key=ns.api_key, admin_api_key=ns.admin_api_key, max_n=ns.max_n,
         max_request_bytes=ns.max_request_bytes, max_request_samples=ns.max_request_samples,
+        request_read_timeout=ns.request_read_timeout,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
         max_tree_size=ns.max_tree_size, log_level=ns.log_level)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import NewRequest
@@ -106,3 +106,26 @@ def samples_from_message(msg: NewRequest) -> list[Req]:
                            bootstrap_room=where.room if where else None))
     samples[0].pending_forks = samples[1:]
     return samples
+
+
+def stop_reason(req: Req, eos_ids: tuple[int, ...], context_len: int,
+                decode_text: Callable[[list[int]], str]) -> FinishReason | None:
+    """Why ``req`` stops after its last output token (None: it goes on). Stop strings
+    are looked for in the decoded tail that could hold the longest of them."""
+    p = req.params
+    token = req.output_ids[-1]
+    n_out = len(req.output_ids)
+    if n_out >= p.min_new_tokens:
+        if not p.ignore_eos and token in eos_ids:
+            return FinishReason(FinishKind.STOP, matched=token)
+        if token in p.stop_token_ids:
+            return FinishReason(FinishKind.STOP, matched=token)
+        if p.stop:
+            longest = max(len(s) for s in p.stop)
+            tail = decode_text(req.output_ids[-(longest + 1):])
+            for s in p.stop:
+                if s in tail:
+                    return FinishReason(FinishKind.STOP, matched=s)
+    if n_out >= p.max_new_tokens or req.fill_len >= context_len:
+        return FinishReason(FinishKind.LENGTH)
+    return None

@@ -32,9 +32,10 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ForwardInput, ModelRunner
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput, draw
 from pdserve.scheduler.decoding import PlainDecoding
+from pdserve.scheduler.faults import FaultIsolation
 from pdserve.scheduler.kv_manager import KVManager, pages_for, size_kv_pages
 from pdserve.scheduler.radix_cache import PrefixMatch
-from pdserve.scheduler.req import FinishKind, FinishReason, Req
+from pdserve.scheduler.req import FinishKind, FinishReason, Req, stop_reason
 from pdserve.speculative.decoding import EagleDecoding
 from pdserve.speculative.eagle_worker import EagleWorker
 
@@ -59,25 +60,7 @@ def _too_big(need: int, capacity: int) -> FinishReason:
                         f"{capacity} (raise --max-total-tokens)")
 
 
-class _Guard:
-    def __init__(self, sched: "Scheduler", reqs: Callable[[], list[Req]], out: StepOutput, what: str) -> None:
-        self.sched, self.reqs, self.out, self.what = sched, reqs, out, what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
-        if exc is None or not isinstance(exc, Exception):
-            return False
-        reqs = list({id(r): r for r in self.reqs()}.values())
-        logger.error("%s failed for request(s) %s", self.what, sorted({r.rid for r in reqs}),
-                     exc_info=(kind, exc, tb))  # type: ignore[arg-type]
-        for req in reqs:
-            self.out.finished += self.sched.fail_request(req, f"{self.what}: {exc}")
-        return True
-
-
-class Scheduler:
+class Scheduler(FaultIsolation):
     decodes = True  # a prefill server never decodes: no decode steps, no draft state, no growth to reserve
 
     def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
@@ -140,46 +123,6 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
-
-    def fail_request(self, req: Req, message: str) -> list[Req]:
-        """End one request after an internal error while handling it (wherever it is),
-        giving back what it holds as far as that still works: the step goes on for
-        every other request."""
-        if req.finish is not None:
-            return []
-        reason = FinishReason(FinishKind.ABORT, message=f"internal error: {message}", server_error=True)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        elif req is self.chunked:
-            self.chunked = None
-        try:
-            return self.finish(req, reason)
-        except Exception:  # its KV bookkeeping is what broke: leak it rather than the server
-            logger.exception("request %s: releasing after an internal error failed", req.rid)
-            done = [req] + req.pending_forks
-            for r in done:
-                r.finish, r.row = reason, None
-            req.pending_forks = []
-            return done
-
-    def guarded(self, reqs: list[Req] | Callable[[], list[Req]], out: StepOutput, what: str) -> _Guard:
-        """``with self.guarded(reqs, out, what):`` -- an exception inside fails ``reqs``
-        (each with the error; a callable is read at that moment) instead of the step."""
-        return _Guard(self, reqs if callable(reqs) else (lambda: reqs), out, what)  # type: ignore[arg-type]
-
-    def live_requests(self) -> list[Req]:
-        """Every request the scheduler holds that has not finished."""
-        return self.waiting + self.running + ([self.chunked] if self.chunked is not None else [])
-
-    def fail_all(self, message: str) -> list[Req]:
-        """The last resort after a step failed outside any request's guard: every live
-        request ends with the error (each gets its one final outcome), the server goes on."""
-        out: list[Req] = []
-        for req in self.live_requests():
-            out += self.fail_request(req, message)
-        return out
 
     # ---- the step ---------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -398,23 +341,7 @@ class Scheduler:
 
     # ---- stopping, retracting, releasing ----------------------------------------------------
     def stop_reason(self, req: Req) -> FinishReason | None:
-        p = req.params
-        token = req.output_ids[-1]
-        n_out = len(req.output_ids)
-        if n_out >= p.min_new_tokens:
-            if not p.ignore_eos and token in self.eos_ids:
-                return FinishReason(FinishKind.STOP, matched=token)
-            if token in p.stop_token_ids:
-                return FinishReason(FinishKind.STOP, matched=token)
-            if p.stop:
-                longest = max(len(s) for s in p.stop)
-                tail = self.decode_text(req.output_ids[-(longest + 1):])
-                for s in p.stop:
-                    if s in tail:
-                        return FinishReason(FinishKind.STOP, matched=s)
-        if n_out >= p.max_new_tokens or req.fill_len >= self.context_len:
-            return FinishReason(FinishKind.LENGTH)
-        return None
+        return stop_reason(req, self.eos_ids, self.context_len, self.decode_text)
 
     def make_decode_room(self, out: StepOutput) -> None:
         """Retract requests until every running request can grow by the decode

@@ -12,11 +12,9 @@ from pdserve.config import ServerArgs
 from pdserve.requests import bootstrap_addresses
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import Bootstrap
+from pdserve.server.http_front import error_body
 
-def error_body(message: str, kind: str, param: str | None, code: int) -> dict[str, Any]:
-    """OpenAI's error shape, used by every route (SGLang's router expects it too)."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
+__all__ = ["error_body"]  # (defined with the HTTP front, which must stay light to import)
 
 def client_rids(rid: Any) -> list[str]:
     """The rids a request body names (a string or a list; no rid: the server makes one)."""

@@ -26,7 +26,6 @@ from typing import Any, Awaitable, Callable, MutableMapping
 import h11
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 
-from pdserve.server.http_common import error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -35,6 +34,11 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 MAX_HEADER_BYTES = 64 * 1024   # request line + headers; above: 431
+
+
+def error_body(message: str, kind: str, param: str | None, code: int) -> dict[str, Any]:
+    """OpenAI's error shape, used by every route (SGLang's router expects it too)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 LINGER_S = 2.0                 # how long a closing connection drains what the client still sends
 ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache"})
 OPEN_PATHS = frozenset({"/health"})  # no key needed (load balancers, orchestrators)

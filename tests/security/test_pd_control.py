@@ -53,10 +53,21 @@ def openai_body(boot: int, room: int, **extra) -> dict:
             "bootstrap_port": boot, "bootstrap_room": room, **extra}
 
 
+def native_body(boot: int, room: int) -> dict:
+    return {"input_ids": PROMPT, "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": boot, "bootstrap_room": room}
+
+
+async def decode_leg_admitted(c: httpx.AsyncClient, d, body: dict) -> asyncio.Task:
+    """Send a decode leg alone (its prefill leg not yet) and wait until decode holds it."""
+    leg = asyncio.create_task(c.post(d.url + "/generate", json=body))
+    await asyncio.to_thread(wait_until, lambda: state(d)["disaggregation"]["transferring"] == 1, 30)
+    return leg
+
+
 async def both_legs(p, d, boot: int, room: int) -> httpx.Response:
     async with httpx.AsyncClient(timeout=120) as c:
-        body = {"input_ids": PROMPT, "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": boot, "bootstrap_room": room}
+        body = native_body(boot, room)
         rp, rd = await asyncio.gather(c.post(p.url + "/generate", json=body), c.post(d.url + "/generate", json=body))
     assert rp.status_code == 200, rp.text
     return rd
@@ -75,10 +86,8 @@ def test_a_room_in_use_on_decode_is_a_400_and_the_server_stays_up(pair):
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=120) as c:
-            body = {"input_ids": PROMPT, "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
-                    "bootstrap_port": boot, "bootstrap_room": room}
-            first = asyncio.create_task(c.post(d.url + "/generate", json=body))
-            await asyncio.to_thread(wait_until, lambda: state(d)["disaggregation"]["transferring"] == 1, 30)
+            body = native_body(boot, room)
+            first = await decode_leg_admitted(c, d, body)
             second = await c.post(d.url + "/v1/completions", json=openai_body(boot, room))
             assert second.status_code == 400 and "bootstrap_room" in second.text, second.text
             rp = await c.post(p.url + "/generate", json=body)  # the first one's prefill leg
@@ -103,10 +112,8 @@ def test_forged_control_messages_are_dropped_and_counted(pair):
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=120) as c:
-            body = {"input_ids": PROMPT, "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1",
-                    "bootstrap_port": boot, "bootstrap_room": room}
-            decode_leg = asyncio.create_task(c.post(d.url + "/generate", json=body))
-            await asyncio.to_thread(wait_until, lambda: state(d)["disaggregation"]["transferring"] == 1, 30)
+            body = native_body(boot, room)
+            decode_leg = await decode_leg_admitted(c, d, body)
             ctx = zmq.Context()
             sock = ctx.socket(zmq.PUSH)
             sock.connect(addr)

@@ -367,3 +367,21 @@ def test_limit_flags_name_the_flag(argv, flag):
     from pdserve.router.config import ConfigError, from_cli
     with pytest.raises(ConfigError, match=f"^{flag}:"):
         from_cli(["--worker-urls", "http://127.0.0.1:1", *argv])
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty",
+                                  b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"],
+                         ids=["idle", "partial-headers", "missing-body"])
+def test_slow_or_idle_clients_are_closed_by_the_router(sent):
+    """Finding 8 at the router: a connection that does not deliver its request within
+    --request-read-timeout is closed (a started request with a 408), and the router serves on."""
+    with deployed("--request-read-timeout", "2") as dep:
+        with socket.create_connection(("127.0.0.1", dep.router.port), timeout=30) as s:
+            s.sendall(sent)
+            t0, raw = time.monotonic(), b""
+            while chunk := s.recv(65536):
+                raw += chunk
+            assert time.monotonic() - t0 < 2 + 10  # the deadline, with a wide margin
+        if sent:
+            assert raw.startswith(b"HTTP/1.1 408"), raw[:200]
+        dep.assert_healthy_and_serving()
