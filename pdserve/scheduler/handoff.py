@@ -20,7 +20,7 @@ import torch
 
 from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, KVLayout, kv_head_range
 from pdserve.model.parallel import TPGroup
-from pdserve.scheduler.req import Req
+from pdserve.scheduler.req import FinishKind, FinishReason, Req
 
 if TYPE_CHECKING:
     from pdserve.scheduler.scheduler import Scheduler
@@ -119,6 +119,19 @@ def add_pd_state(st: dict[str, object], mode: str, waiting: int, running: int, m
                             "failures": dict(manager.rooms.failures), "refused_messages": manager.refused_messages,
                             "control_addr": manager.control_addr}
     return st
+
+
+def nothing_to_generate(req: Req) -> list[Req] | None:
+    """A request with max_new_tokens 0 across the split: each side ends it on arrival with
+    `length` and no token, as a colocated server answers it (there is nothing to hand
+    over, so no room is opened on either side). None for any other request."""
+    if req.params.max_new_tokens != 0:
+        return None
+    samples = [req] + req.pending_forks
+    req.pending_forks = []
+    for s in samples:
+        s.finish = FinishReason(FinishKind.LENGTH)
+    return samples
 
 
 def split_samples(req: Req) -> list[Req]:

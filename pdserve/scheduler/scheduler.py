@@ -95,6 +95,7 @@ class Scheduler(FaultIsolation):
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None
+        self.ending: list[Req] = []  # ended on arrival (nothing to compute): reported by the next step
         self.new_token_ratio = tuning.init_new_token_ratio
         self.num_retractions = 0
         self.num_forward_steps = 0
@@ -122,11 +123,12 @@ class Scheduler(FaultIsolation):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.ending)
 
     # ---- the step ---------------------------------------------------------------
     def step(self) -> StepOutput:
-        out = StepOutput()
+        out = StepOutput(finished=self.ending)
+        self.ending = []
         self.poll_external(out)
         batch = self.plan_batch(out)
         if batch is not None:

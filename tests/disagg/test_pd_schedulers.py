@@ -321,3 +321,23 @@ def test_a_fault_with_one_request_fails_that_request_only(make_engine, dirs, pha
     finally:
         p.close()
         d.close()
+
+
+def test_max_new_tokens_zero_ends_on_both_sides_like_colocated(make_engine, dirs):
+    """Nothing to generate: each side ends the request on arrival with `length` and no
+    token, as the colocated server does; no room is opened, nothing waits for a deadline."""
+    ps = prompts(2, seed=3)
+    sampling = {"max_new_tokens": 0, "n": 2, "temperature": 0}
+    colo = make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=sampling)
+    assert all(r["output_ids"] == [] and r["meta_info"]["finish_reason"]["type"] == "length" for r in colo)
+    p = sched(PrefillScheduler, dirs, None, {})
+    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    try:
+        reqs = run_pair_outcomes(p, d, ps, sampling)
+        assert len(reqs) == 4 and all(r.output_ids == [] and r.finish.kind.value == "length" for r in reqs)
+        assert not p.manager.rooms.counts().get("bootstrapping") and not d.manager.rooms.counts().get("bootstrapping")
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
