@@ -32,7 +32,7 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.batch import Draws, StepOutput
 from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
-                                       kv_layout, nothing_to_generate, register_buffers, split_samples)
+                                       kv_layout, register_buffers, split_samples)
 from pdserve.scheduler.kv_manager import pages_for
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, _too_big
@@ -56,11 +56,9 @@ class DecodeScheduler(Scheduler):
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        ended = nothing_to_generate(req)
-        if ended is not None:
-            self.ending += ended
+        samples = split_samples(self, req)
+        if not samples:
             return
-        samples = split_samples(req)
         if any(s.bootstrap_room is None or s.bootstrap_host is None for s in samples):
             raise ValueError("bootstrap_room: a decode server needs bootstrap_host / bootstrap_port / "
                              "bootstrap_room for every sample")

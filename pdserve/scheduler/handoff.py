@@ -121,25 +121,23 @@ def add_pd_state(st: dict[str, object], mode: str, waiting: int, running: int, m
     return st
 
 
-def nothing_to_generate(req: Req) -> list[Req] | None:
-    """A request with max_new_tokens 0 across the split: each side ends it on arrival with
-    `length` and no token, as a colocated server answers it (there is nothing to hand
-    over, so no room is opened on either side). None for any other request."""
-    if req.params.max_new_tokens != 0:
-        return None
-    samples = [req] + req.pending_forks
-    req.pending_forks = []
-    for s in samples:
-        s.finish = FinishReason(FinishKind.LENGTH)
-    return samples
-
-
-def split_samples(req: Req) -> list[Req]:
+def split_samples(sched: "Scheduler", req: Req) -> list[Req]:
     """A request's n samples as independent requests. Across the split every sample
     has its own room: prefill computes each one's first token (its draw is the one
     a colocated fork would make: sampling noise depends on the sample's seed and
-    position only) and sends it the whole prompt KV; decode runs each on its own."""
-    return [req] + req.pending_forks
+    position only) and sends it the whole prompt KV; decode runs each on its own.
+
+    With max_new_tokens 0 there is nothing to hand over: each side ends the request on
+    arrival with `length` and no token, as a colocated server does (no room is opened),
+    and this returns []."""
+    samples = [req] + req.pending_forks
+    if req.params.max_new_tokens != 0:
+        return samples
+    req.pending_forks = []
+    for s in samples:
+        s.finish = FinishReason(FinishKind.LENGTH)
+    sched.ending += samples
+    return []
 
 
 def compat_record(sched: "Scheduler") -> CompatRecord:

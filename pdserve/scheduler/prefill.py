@@ -28,7 +28,7 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput
 from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
-                                       kv_layout, nothing_to_generate, register_buffers, split_samples)
+                                       kv_layout, register_buffers, split_samples)
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
 
@@ -91,11 +91,9 @@ class PrefillScheduler(Scheduler):
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        ended = nothing_to_generate(req)
-        if ended is not None:
-            self.ending += ended
+        samples = split_samples(self, req)
+        if not samples:
             return
-        samples = split_samples(req)
         rooms = [s.bootstrap_room for s in samples]
         if any(r is None for r in rooms):
             raise ValueError("bootstrap_room: a prefill server needs a bootstrap_room for every sample")
