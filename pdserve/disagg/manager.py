@@ -20,6 +20,7 @@ or running) or died. An ``Abort`` only says the room failed.
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import queue
@@ -181,7 +182,7 @@ class _Link:
         self._ctx.term()
 
 
-class _Side:
+class _Side(abc.ABC):
     """What both ends share: the room table and per-room bookkeeping under one lock."""
 
     rooms: RoomTable
@@ -215,11 +216,13 @@ class _Side:
             if isinstance(room, int):
                 self._fail_touched(room, msg, f"internal error handling {type(msg).__name__}: {exc}")
 
+    @abc.abstractmethod
     def _on_message(self, msg: Any) -> None:
-        raise NotImplementedError
+        """Act on one control message (the I/O thread)."""
 
+    @abc.abstractmethod
     def _fail_touched(self, room: int, msg: Any, reason: str) -> None:
-        raise NotImplementedError
+        """Fail ``room`` after handling ``msg`` raised, and tell the peer."""
 
 
 # ---------------------------------------------------------------------------

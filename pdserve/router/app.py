@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import secrets
 import time
@@ -38,6 +37,7 @@ from pdserve.router.policies import make_policy
 from pdserve.router.proxy import Proxy, Reply, StreamSession
 from pdserve.router.rooms import ROUTER_FIELDS, shape_of
 from pdserve.router.workers import Worker, WorkerRegistry
+from pdserve.server.http_front import bearer, key_matches
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,11 +54,10 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, status), status_code=status)
 
 
-def _authorized(headers: Any, *keys: str | None) -> bool:
-    """`Authorization: Bearer KEY` for one of `keys`, compared in constant time (as the
-    servers compare it)."""
-    got = next((v for k, v in headers if k.lower() == b"authorization"), b"")
-    return any([hmac.compare_digest(got, f"Bearer {key}".encode()) for key in keys if key])
+def _authorized(scope: Scope, *keys: str | None) -> bool:
+    """`Authorization: Bearer KEY` for one of `keys`: the servers' constant-time check."""
+    given = bearer(scope)
+    return any([key_matches(given, key) for key in keys])  # (a list: every key is compared)
 
 
 class _ApiKey:
@@ -73,7 +72,7 @@ class _ApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") not in self.exempt:
-            if not _authorized(scope.get("headers") or (), *self.keys):
+            if not _authorized(scope, *self.keys):
                 await _error("invalid or missing API key", 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -297,7 +296,7 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
 
     # ---- admin routes: the admin key when there is one --------------------------------
     def not_admin(request: Request) -> Response | None:
-        if cfg.admin_api_key and not _authorized(request.headers.raw, cfg.admin_api_key):
+        if cfg.admin_api_key and not _authorized(request.scope, cfg.admin_api_key):
             return _error("invalid or missing admin API key (--admin-api-key)", 401)
         return None
 

@@ -144,15 +144,15 @@ class DecodeScheduler(Scheduler):
         reserve = self.growth_reserve(self.running + transferring)
         for h, ready in queued:
             with self.guarded([h.req], out, "admitting the transfer"):
-                if not self._admit_one(h, ready, reserve, transferring, out):
+                reserved = self._admit_one(h, ready, reserve, transferring, out)
+                if reserved is None:
                     break
-                if h.phase is Phase.TRANSFERRING:
-                    reserve += self.growth_reserve([h.req])
+                reserve += reserved
 
     def _admit_one(self, h: Handoff, ready: Readiness, reserve: int, transferring: list[Req],
-                   out: StepOutput) -> bool:
-        """Admit one queued request if it can go (or end it if it never can); False
-        when admission stops here."""
+                   out: StepOutput) -> int | None:
+        """Admit one queued request if it can go (or end it if it never can): the growth
+        pages its admission reserves (0 when not admitted); None when admission stops here."""
         req = h.req
         if ready is Readiness.FAILED:
             state, reason = self.manager.connection(h.peer_url)
@@ -161,17 +161,17 @@ class DecodeScheduler(Scheduler):
                 FinishKind.ABORT, message=str(reason) if state == "failed" else
                 f"cannot reach the prefill server at {h.peer_url} (on another tensor-parallel rank)",
                 server_error=True))
-            return True
+            return 0
         if ready is Readiness.WAITING:
-            return True  # still connecting; the requests behind it may go first
+            return 0  # still connecting; the requests behind it may go first
         n = len(req.prompt_ids)
-        need = pages_for(n, self.page_size)
-        if self.kv.free_rows < 1 or need + self.growth_reserve([req]) > self.kv.available_pages - reserve:
+        need, growth = pages_for(n, self.page_size), self.growth_reserve([req])
+        if self.kv.free_rows < 1 or need + growth > self.kv.available_pages - reserve:
             if not self.running and not transferring and need > self.kv.capacity:
                 self.handoffs.remove(h)
                 out.finished += self.finish(req, _too_big(need, self.kv.capacity))
-                return True
-            return False  # queue, do not fail: pages come back as requests finish
+                return 0
+            return None  # queue, do not fail: pages come back as requests finish
         # The slots are the request's from now on (released on any outcome); their KV
         # becomes valid when the record arrives.
         slots = self.kv.reserve(req, n)
@@ -180,7 +180,7 @@ class DecodeScheduler(Scheduler):
         h.phase = Phase.TRANSFERRING  # (before asking: a failure while asking quarantines the pages)
         transferring.append(req)
         self.manager.add_room(h.room, peers, slots, want_features=self.spec is not None)
-        return True
+        return growth
 
     def _commit(self, h: Handoff, out: StepOutput) -> None:
         """The record arrived: the request has its whole prompt KV and first token."""

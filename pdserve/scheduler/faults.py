@@ -6,6 +6,7 @@ guard caught."""
 
 from __future__ import annotations
 
+import abc
 import logging
 from typing import Callable
 
@@ -33,7 +34,7 @@ class Guard:
         return True
 
 
-class FaultIsolation:
+class FaultIsolation(abc.ABC):
     """The scheduler's part that ends requests after internal errors (mixed into it:
     it needs its queues and ``finish``; PD schedulers extend ``fail_request`` and
     ``live_requests`` with their handoffs)."""
@@ -41,8 +42,9 @@ class FaultIsolation:
     running: list[Req]
     chunked: Req | None
 
+    @abc.abstractmethod
     def finish(self, req: Req, reason: FinishReason) -> list[Req]:
-        raise NotImplementedError
+        """End ``req`` (and its never-forked samples) and give back what it holds."""
 
     def fail_request(self, req: Req, message: str) -> list[Req]:
         """End one request after an internal error while handling it (wherever it is),

@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-import pdserve.router.app as router_app
+import pdserve.server.http_front as http_front
 from pdserve.router.fake_worker import FakeWorker, ThreadedServer
 from pdserve.up import Deployment, parse_args
 from tests.router.conftest import RouterProcess, fake_deployment
@@ -318,7 +318,7 @@ def test_keys_are_compared_in_constant_time(monkeypatch):
     def compare_digest(a: bytes, b: bytes) -> bool:
         calls.append((a, b))
         return a == b
-    monkeypatch.setattr(router_app, "hmac", types.SimpleNamespace(compare_digest=compare_digest))
+    monkeypatch.setattr(http_front, "hmac", types.SimpleNamespace(compare_digest=compare_digest))  # the router's check
     with fake_deployment(1, 1, "--api-key", USER, "--admin-api-key", ADMIN) as dep:
         assert dep.client.post("/v1/completions", json=COMPLETION, headers=bearer("nope")).status_code == 401
         assert dep.client.post("/v1/completions", json=COMPLETION, headers=bearer(USER)).status_code == 200
