@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import ipaddress
 import os
 from dataclasses import dataclass, fields
@@ -23,7 +24,7 @@ class ConfigError(ValueError):
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("torch_native", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -49,7 +50,16 @@ class ServerArgs:
     chunked_prefill_size: int = 8192
     page_size: int = 1
     kv_cache_dtype: str = "auto"
-    attention_backend: str = "torch_native"
+    # auto: torch_native on CPU, triton on CUDA (see resolved_attention_backend()).
+    attention_backend: str = "auto"
+    # CUDA graphs for decode. Capture is unverified on a GPU so far: off unless
+    # --enable-cuda-graph; --disable-cuda-graph (SGLang's) is accepted and wins.
+    enable_cuda_graph: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 160
+    # pdserve has no overlap scheduler (it needs a GPU measurement first): the flag is
+    # accepted for SGLang command lines and changes nothing.
+    disable_overlap_schedule: bool = False
     disable_radix_cache: bool = False
     # torch_native decode keeps running requests' KV contiguous (pdserve/model/decode_mirror.py).
     disable_decode_kv_mirror: bool = False
@@ -121,10 +131,9 @@ class ServerArgs:
                 raise bad(name, f"invalid choice {value!r} (choose from {', '.join(choices)})")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise bad("device", "cuda was requested but no CUDA device is available")
-        if self.attention_backend == "flashinfer":
-            raise bad("attention_backend", "flashinfer is not available in this build; use torch_native")
         if self.tp_size < 1:
             raise bad("tp_size", f"must be >= 1, got {self.tp_size}")
+        self._validate_device(bad)
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise bad("mem_fraction_static", f"must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < 1:
@@ -162,6 +171,25 @@ class ServerArgs:
             raise bad("tokenizer_path", f"{self.tokenizer_path!r} is not a directory")
         self._validate_speculative(bad)
         self._validate_disaggregation(bad)
+
+    def _validate_device(self, bad: Any) -> None:
+        on_cuda = self.resolved_device().type == "cuda"
+        backend = self.attention_backend
+        if backend == "flashinfer":
+            raise bad("attention_backend", "flashinfer is not wired in yet (its wrappers need a GPU run to "
+                      "verify); use triton on CUDA or torch_native")
+        if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise bad("attention_backend", "triton needs a CUDA device (on a CPU it runs only under "
+                      "Triton's interpreter, TRITON_INTERPRET=1, which the tests use); use torch_native")
+        if backend == "triton" and importlib.util.find_spec("triton") is None:
+            raise bad("attention_backend", "triton is not installed (pip install triton)")
+        if on_cuda and self.tp_size > 1:
+            raise bad("tp_size", "tensor parallelism on CUDA is refused: pdserve's machines have one GPU, "
+                      "so the NCCL path has never run (TP > 1 works on CPU)")
+        if self.cuda_graph_max_bs < 1:
+            raise bad("cuda_graph_max_bs", f"must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.enable_cuda_graph and not self.disable_cuda_graph and not on_cuda:
+            raise bad("enable_cuda_graph", "CUDA graphs need a CUDA device")
 
     def _validate_disaggregation(self, bad: Any) -> None:
         for name, choices in (("disaggregation_mode", DISAGGREGATION_MODES),
@@ -263,6 +291,14 @@ class ServerArgs:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device().type == "cuda" else "torch_native"
+
+    def use_cuda_graph(self) -> bool:
+        return self.enable_cuda_graph and not self.disable_cuda_graph
 
     def replace(self, **changes: Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)

@@ -3,6 +3,7 @@ transformers reference, and the no-leak check every engine test ends with."""
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -11,6 +12,11 @@ import pytest
 import torch
 
 from pdserve.testing import build_random_model
+
+# Without a GPU, pdserve's Triton kernels run under Triton's interpreter (numpy on
+# CPU tensors). It is read when a kernel is decorated, so set it before any import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
