@@ -1,16 +1,27 @@
-"""Hugging Face safetensors loading with a strict name/shape check."""
+"""Hugging Face safetensors loading with a strict name/shape check.
+
+`build_model` is how the engine gets its weights: the module is constructed on the
+meta device (no storage), given uninitialised storage on the target device in the
+target dtype, then filled from the checkpoint one tensor at a time (each read from
+its shard, handed to its parameter's `weight_loader`, which copies this rank's slice
+into the device parameter, casting on the way, and dropped before the next read).
+Host memory therefore holds about one checkpoint tensor, never a model copy, plus
+the pages of the one shard open (memory-mapped: file-backed, reclaimable).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-from pdserve.model.layers import WeightShapeError
-from pdserve.model.transformer import CausalLM
+from pdserve.model.layers import LMHead, WeightShapeError
+
+M = TypeVar("M", bound=nn.Module)
 
 
 class WeightLoadError(ValueError):
@@ -40,11 +51,58 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: CausalLM, model_dir: Path, rename: Callable[[str], str | None] | None = None) -> None:
+def build_model(factory: Callable[[], M], model_dir: Path, device: torch.device | str, dtype: torch.dtype,
+                rename: Callable[[str], str | None] | None = None) -> M:
+    """``factory()`` constructed without storage, materialised on ``device`` with its
+    floating-point parameters in ``dtype`` (others keep theirs: EAGLE3's int64 ``d2t``)
+    and loaded from ``model_dir`` as `load_weights` does, with the same checks.
+
+    Every parameter is then written by the checkpoint (or reported missing: an error,
+    so no uninitialised memory is ever used); the only values no checkpoint tensor
+    covers, LMHead's vocabulary padding rows, are zeroed explicitly."""
+    with torch.device("meta"):
+        model = factory()
+    materialize(model, torch.device(device), dtype)
+    for module in model.modules():
+        if isinstance(module, LMHead):  # rows past the vocabulary (TP padding): never loaded
+            module.weight.data[module.hi - module.lo:].zero_()
+    load_weights(model, Path(model_dir), rename=rename)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """`Module.to_empty(device=...)` for a model built on the meta device, with floating
+    parameters in ``dtype``, keeping every Parameter *object*.
+
+    Plain ``to_empty`` replaces each Parameter with a new one: its ``weight_loader``
+    (whose closure holds the old, meta parameter) would be lost or, re-attached, write
+    into the meta tensor, a silent no-op. Here the new storage is swapped into the
+    existing objects (`torch.utils.swap_tensors`) and their attributes kept.
+    Buffers are refused: nothing in the checkpoint restores them (the runner owns the
+    rotary tables), so they would stay uninitialised."""
+    buffers = [name for name, _ in model.named_buffers()]
+    if buffers:
+        raise TypeError(f"{type(model).__name__}: buffers {buffers} cannot be materialised from a checkpoint; "
+                        "keep them out of the model or initialise them in build_model")
+    for name, param in model.named_parameters():  # shared parameters come once
+        if not param.is_meta:
+            raise TypeError(f"{type(model).__name__}.{name} was not constructed on the meta device "
+                            f"(it is on {param.device}); construct parameters without an explicit device")
+        target = dtype if param.is_floating_point() else param.dtype
+        storage = nn.Parameter(torch.empty(param.shape, dtype=target, device=device),
+                               requires_grad=param.requires_grad)
+        attrs = dict(param.__dict__)  # weight_loader: swap_tensors swaps __dict__ too
+        torch.utils.swap_tensors(param, storage)
+        param.__dict__.update(attrs)
+
+
+def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str | None] | None = None) -> None:
     """Load every parameter of `model`; raise listing missing and unexpected names.
 
     `rename` maps a checkpoint tensor name to the model's naming (None: skip the
-    tensor); draft heads use it for their layouts."""
+    tensor); draft heads use it for their layouts. The checkpoint is streamed: one
+    shard open at a time, each tensor read only if it is loaded, and released before
+    the next is read."""
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     # (our parameter name, shard) -> checkpoint name, for the missing-name report.
@@ -60,26 +118,31 @@ def load_weights(model: CausalLM, model_dir: Path, rename: Callable[[str], str |
             expected[(name, None)] = name
     seen: set[tuple[str, object]] = set()
     unexpected: list[str] = []
-    for ckpt_name, tensor in iter_checkpoint(model_dir):
-        if ckpt_name.endswith(model.ignored_suffixes) or (tied and ckpt_name == "lm_head.weight"):
-            continue
-        if rename is not None:
-            renamed = rename(ckpt_name)
-            if renamed is None:
-                continue
-            ckpt_name = renamed
-        target, shard = _map_name(model, ckpt_name)
-        param = params.get(target)
-        if param is None or (target, shard) not in expected:
-            unexpected.append(ckpt_name)
-            continue
-        try:
-            param.weight_loader(tensor, shard)  # type: ignore[attr-defined]
-        except WeightShapeError as exc:
-            raise WeightShapeError(f"{model_dir}: {ckpt_name}: {exc}") from None
-        seen.add((target, shard))
-        if tied and ckpt_name == "model.embed_tokens.weight":
-            params["lm_head.weight"].weight_loader(tensor, None)  # type: ignore[attr-defined]
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for stored_name in f.keys():
+                ckpt_name = stored_name
+                if ckpt_name.endswith(model.ignored_suffixes) or (tied and ckpt_name == "lm_head.weight"):
+                    continue
+                if rename is not None:
+                    renamed = rename(ckpt_name)
+                    if renamed is None:
+                        continue
+                    ckpt_name = renamed
+                target, shard = _map_name(model, ckpt_name)
+                param = params.get(target)
+                if param is None or (target, shard) not in expected:
+                    unexpected.append(ckpt_name)
+                    continue
+                tensor = f.get_tensor(stored_name)  # the only checkpoint tensor on the host
+                try:
+                    param.weight_loader(tensor, shard)  # type: ignore[attr-defined]
+                except WeightShapeError as exc:
+                    raise WeightShapeError(f"{model_dir}: {ckpt_name}: {exc}") from None
+                seen.add((target, shard))
+                if tied and ckpt_name == "model.embed_tokens.weight":
+                    params["lm_head.weight"].weight_loader(tensor, None)  # type: ignore[attr-defined]
+                del tensor
     missing = sorted(v for k, v in expected.items() if k not in seen)
     if missing or unexpected:
         lines = [f"{model_dir}: checkpoint does not match {type(model).__name__}"]
@@ -92,7 +155,7 @@ def load_weights(model: CausalLM, model_dir: Path, rename: Callable[[str], str |
         raise WeightLoadError("\n".join(lines))
 
 
-def _map_name(model: CausalLM, ckpt_name: str) -> tuple[str, object]:
+def _map_name(model: nn.Module, ckpt_name: str) -> tuple[str, object]:
     for ours, theirs, shard in model.stacked_params:
         if f".{theirs}." in ckpt_name:
             return ckpt_name.replace(f".{theirs}.", f".{ours}."), shard

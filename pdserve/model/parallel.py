@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -10,47 +11,74 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TPGroup:
+    """This rank's place in the TP group. Collectives on device tensors (activations,
+    sampled ids) go through ``device_group`` (NCCL on CUDA); those on host values
+    (pickled commands, host tensors such as the KV pool size or the PD readiness
+    codes) through ``host_group`` (gloo), chosen by the tensor's device. None is the
+    default (world) group: on CPU one gloo group serves both. ``TPGroup()`` is TP 1."""
+
     rank: int = 0
     size: int = 1
+    device_group: Any = field(default=None, compare=False, repr=False)
+    host_group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
         return self.size > 1
 
+    def group_for(self, x: torch.Tensor) -> Any:
+        return self.host_group if x.device.type == "cpu" else self.device_group
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.enabled:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group_for(x))
         return x
 
     def all_reduce_min(self, x: torch.Tensor) -> torch.Tensor:
         if self.enabled:
-            dist.all_reduce(x, op=dist.ReduceOp.MIN)
+            dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group_for(x))
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group_for(x))
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.enabled:
-            dist.broadcast(x, src=src)
+        if self.enabled:  # every group spans all ranks: group rank == global rank
+            dist.broadcast(x, src=src, group=self.group_for(x))
         return x
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         if not self.enabled:
             return obj
         box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=src, group=self.host_group)  # pickled on the host
         return box[0]
 
 
+def bind_device(rank: int, device: torch.device) -> torch.device:
+    """The device rank ``rank`` builds on. On CUDA it becomes the current device (GPU
+    ``index + rank``) before anything is allocated: a plain "cuda" then means this
+    rank's GPU everywhere (the model, the KV pool, NCCL, mem_get_info)."""
+    if device.type != "cuda":
+        return device
+    index = (device.index or 0) + rank
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
-    if size > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=size)
+    """Join the TP group (call `bind_device` first). On CUDA the world group is NCCL and a
+    gloo group next to it carries the host-side collectives; on CPU gloo does both."""
+    if size == 1:
+        return TPGroup(rank=rank, size=size)
+    if device.type == "cuda":
+        dist.init_process_group(backend="nccl", init_method=init_method, rank=rank, world_size=size)
+        return TPGroup(rank=rank, size=size, host_group=dist.new_group(backend="gloo"))
+    dist.init_process_group(backend="gloo", init_method=init_method, rank=rank, world_size=size)
     return TPGroup(rank=rank, size=size)
 
 

@@ -12,7 +12,7 @@ from pdserve.config import ConfigError, ServerArgs
 from pdserve.model.attention import ForwardContext, KVStore, TorchNativeAttention
 from pdserve.model.decode_mirror import DecodeKVMirror
 from pdserve.model.layers import Linear, RotaryEmbedding
-from pdserve.model.loader import load_weights
+from pdserve.model.loader import build_model
 from pdserve.model.model_config import ModelConfig
 from pdserve.model.parallel import TPGroup
 from pdserve.model.registry import model_class
@@ -59,9 +59,8 @@ class ModelRunner:
         self.context_len = args.context_length or limit
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else _DTYPES[args.kv_cache_dtype]
-        model = model_class(cfg)(cfg, tp)
-        load_weights(model, model_dir)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        # Built on the device in its dtype, the checkpoint streamed tensor by tensor (no host copy).
+        self.model = build_model(lambda: model_class(cfg)(cfg, tp), model_dir, self.device, self.dtype).eval()
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.prepack()

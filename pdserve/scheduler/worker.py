@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from pdserve.config import ServerArgs
-from pdserve.model.parallel import TPGroup, init_tp_group
+from pdserve.model.parallel import TPGroup, bind_device, init_tp_group
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.messages import Command
 from pdserve.scheduler.req import FinishKind, FinishReason, Req, samples_from_message
@@ -133,7 +133,9 @@ def run_rank(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, rank: int, 
     report = (lambda kind, payload: ready.send((kind, payload))) if ready is not None else (
         io.reply if io is not None else None)
     try:
-        tp = init_tp_group(rank, args.tp_size, init_method, args.resolved_device())
+        # On CUDA this rank's GPU becomes the current device before anything is built.
+        device = bind_device(rank, args.resolved_device())
+        tp = init_tp_group(rank, args.tp_size, init_method, device)
         sched = build_scheduler(args, model_dir, tokenizer_dir, tp)
     except Exception:
         if report is not None:

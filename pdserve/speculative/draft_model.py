@@ -32,7 +32,7 @@ from torch import nn
 
 from pdserve.model.attention import ForwardContext, TorchNativeAttention
 from pdserve.model.layers import ColumnParallelLinear, Embedding, Linear, LMHead, RMSNorm, RotaryEmbedding
-from pdserve.model.loader import WeightLoadError, load_weights
+from pdserve.model.loader import WeightLoadError, build_model
 from pdserve.model.model_config import ModelConfig, ModelConfigError
 from pdserve.model.parallel import TPGroup
 from pdserve.model.transformer import MLP, STACKED_PARAMS, Attention
@@ -182,12 +182,10 @@ class EagleDraftModel(nn.Module):
     @classmethod
     def load(cls, draft_dir: str | Path, cfg: DraftConfig, embed: Embedding, target_head: LMHead,
              device: torch.device, dtype: torch.dtype) -> "EagleDraftModel":
-        model = cls(cfg, embed, target_head)
-        load_weights(model, Path(draft_dir), rename=cls.checkpoint_name)  # type: ignore[arg-type]
-        model = model.to(device=device)
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.data = p.data.to(dtype)
+        # Built on the device in its dtype (d2t stays int64); the target's embedding and
+        # lm_head are shared by reference, not copied (they are not submodules).
+        model = build_model(lambda: cls(cfg, embed, target_head), Path(draft_dir), device, dtype,
+                            rename=cls.checkpoint_name)
         for module in model.modules():
             if isinstance(module, Linear):
                 module.prepack()
