@@ -24,6 +24,7 @@ class ConfigError(ValueError):
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
@@ -50,6 +51,9 @@ class ServerArgs:
     chunked_prefill_size: int = 8192
     page_size: int = 1
     kv_cache_dtype: str = "auto"
+    # auto: the checkpoint's safetensors; dummy: random weights at the config's shapes
+    # (benchmarks without a checkpoint, as SGLang's and vLLM's --load-format dummy).
+    load_format: str = "auto"
     # auto: torch_native on CPU, triton on CUDA (see resolved_attention_backend()).
     attention_backend: str = "auto"
     # CUDA graphs for decode. Capture is unverified on a GPU so far: off unless
@@ -125,6 +129,7 @@ class ServerArgs:
                       "only the built-in architectures (Llama, Mistral, Qwen2, Qwen3) are supported")
         for name, choices in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("load_format", LOAD_FORMATS),
                               ("schedule_policy", SCHEDULE_POLICIES)):
             value = getattr(self, name)
             if value not in choices:
@@ -188,8 +193,10 @@ class ServerArgs:
                       "so the NCCL path has never run (TP > 1 works on CPU)")
         if self.cuda_graph_max_bs < 1:
             raise bad("cuda_graph_max_bs", f"must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.enable_cuda_graph and not self.disable_cuda_graph and not on_cuda:
+        if self.use_cuda_graph() and not on_cuda:
             raise bad("enable_cuda_graph", "CUDA graphs need a CUDA device")
+        if self.use_cuda_graph() and self.resolved_attention_backend() != "triton":
+            raise bad("enable_cuda_graph", "CUDA graphs need --attention-backend triton")
 
     def _validate_disaggregation(self, bad: Any) -> None:
         for name, choices in (("disaggregation_mode", DISAGGREGATION_MODES),
@@ -355,7 +362,7 @@ _FIELD_PARSERS = {
     "int | None": _int_or_none, "float | None": _float_or_none, "str | None": str,
 }
 _FIELD_CHOICES = {
-    "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES,
+    "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES, "load_format": LOAD_FORMATS,
     "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "disaggregation_mode": DISAGGREGATION_MODES, "disaggregation_transfer_backend": TRANSFER_BACKENDS,

@@ -86,7 +86,7 @@ def test_unknown_cli_flag_raises(argv):
     (["--schedule-policy", "foo"], "--schedule-policy"),
     (["--trust-remote-code"], "--trust-remote-code"),
     (["--attention-backend", "flashinfer"], "--attention-backend"),
-    (["--attention-backend", "triton"], "--attention-backend"),
+    (["--attention-backend", "fa3"], "--attention-backend"),
     (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
     (["--chunked-prefill-size", "-2"], "--chunked-prefill-size"),
     (["--max-total-tokens", "0"], "--max-total-tokens"),

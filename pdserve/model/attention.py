@@ -5,6 +5,10 @@ tokens each row already has in the KV pool (`prefix_lens`) and how many it adds
 (`extend_lens`). `ForwardContext.build` turns that into what attention needs,
 once per forward; every layer then reads it. New tokens are packed [T, ...].
 
+The rows arrive as a ``RowLayout``: device tensors for the kernels and the same
+numbers on the host, so planning a forward never reads the device (shapes and
+loop bounds come from the host copy; on CUDA a read would stall the step).
+
 Two shapes of work:
 - decode (one new token per row): one batched SDPA over KV gathered into
   [B, Hkv, Lk, D], padded and masked to each row's length;
@@ -16,10 +20,12 @@ Two shapes of work:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.model.device_io import upload_rows
 
 if TYPE_CHECKING:
     from pdserve.model.decode_mirror import DecodeKVMirror, MirrorStep
@@ -33,6 +39,50 @@ class KVStore(Protocol):
     def gather(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def gather_head_major(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """The rows of one forward: request-table row, tokens already in the KV pool
+    (prefix) and tokens added (extend), on the device and, identical, on the host."""
+    rows: torch.Tensor          # [B] int64, device
+    prefix_lens: torch.Tensor   # [B] int64, device
+    extend_lens: torch.Tensor   # [B] int64, device
+    host_rows: tuple[int, ...]
+    host_prefix: tuple[int, ...]
+    host_extend: tuple[int, ...]
+
+    @classmethod
+    def upload(cls, rows: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
+               device: torch.device) -> "RowLayout":
+        packed = upload_rows([list(rows), list(prefix_lens), list(extend_lens)], torch.int64, device)
+        return cls(packed[0], packed[1], packed[2], tuple(rows), tuple(prefix_lens), tuple(extend_lens))
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.host_rows)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(self.host_extend)
+
+    @property
+    def max_extend(self) -> int:
+        return max(self.host_extend)
+
+    @property
+    def host_kv_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.host_prefix, self.host_extend)]
+
+    @property
+    def one_token_per_row(self) -> bool:
+        return all(e == 1 for e in self.host_extend)
+
+    @property
+    def uniform_extend(self) -> bool:
+        return all(e == self.host_extend[0] for e in self.host_extend)
 
 
 @dataclass(frozen=True)
@@ -52,15 +102,20 @@ class ForwardContext:
     out_cache_loc: torch.Tensor    # [T] KV slot each new token is written to
     batch_size: int
     is_decode: bool
-    # decode
+    layout: RowLayout | None = None
+    # tree verification: per row an optional [q_len, q_len] restriction among the new tokens
+    tree_masks: list[torch.Tensor | None] | None = None
+    # what the attention backend planned for this forward (read by every layer)
+    plan: Any = None
+    # torch_native, decode
     kv_indices: torch.Tensor | None = None  # [B, Lk] slots per row (0 = padding slot)
     attn_mask: torch.Tensor | None = None   # [B, 1, 1, Lk]
     mirror: "MirrorStep | None" = None      # set: read KV from the decode mirror, not the pool
-    # extend
+    # torch_native, extend
     kv_flat: torch.Tensor | None = None     # [sum kv_len] slots of all rows, row after row
     spans: tuple[RowSpan, ...] = ()
-    # tree verification: every row adds the same number of tokens; one batched
-    # SDPA over kv_indices with attn_mask [B, 1, q_per_row, Lk]
+    # torch_native, tree verification: every row adds the same number of tokens; one
+    # batched SDPA over kv_indices with attn_mask [B, 1, q_per_row, Lk]
     q_per_row: int = 0
     # RoPE cos/sin at `positions`, per rotary table (filled by the first layer)
     rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -70,99 +125,135 @@ class ForwardContext:
                  out_cache_loc: torch.Tensor) -> "ForwardContext":
         """One new token per row attending to an explicit slot list (draft tree steps:
         the prefix plus the token's own ancestors). kv_indices / valid: [R, Lk]; the
-        row's own slot (out_cache_loc) must be among its valid entries."""
+        row's own slot (out_cache_loc) must be among its valid entries. torch_native only."""
         return cls(positions, out_cache_loc, kv_indices.shape[0], True,
                    kv_indices=torch.where(valid, kv_indices, 0), attn_mask=valid.view(valid.shape[0], 1, 1, -1))
 
     @classmethod
-    def mirrored(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                 step: "MirrorStep") -> "ForwardContext":
+    def mirrored(cls, req_to_token: torch.Tensor, layout: RowLayout, step: "MirrorStep") -> "ForwardContext":
         """A plain decode step whose KV the decode mirror serves (no slot lists needed)."""
-        return cls(prefix_lens.clone(), req_to_token[rows, prefix_lens], rows.shape[0], True, mirror=step)
+        return cls(layout.prefix_lens.clone(), req_to_token[layout.rows, layout.prefix_lens], layout.batch_size,
+                   True, layout=layout, mirror=step)
 
     @classmethod
-    def build(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-              extend_lens: torch.Tensor, extra_masks: list[torch.Tensor | None] | None = None,
+    def describe(cls, req_to_token: torch.Tensor, layout: RowLayout,
+                 tree_masks: list[torch.Tensor | None] | None = None,
+                 positions: torch.Tensor | None = None) -> "ForwardContext":
+        """Where the new tokens go and at which RoPE positions; a backend's ``plan``
+        adds what its kernels read. ``tree_masks``: per row an optional [q_len, q_len]
+        restriction among the row's new tokens (tree verification), ANDed into the
+        causal mask. ``positions`` [T] overrides the RoPE positions of the new tokens
+        (a tree node sits at prefix + depth, while its KV slot follows its index)."""
+        rows, prefix = layout.rows, layout.prefix_lens
+        if tree_masks is None and positions is None and layout.one_token_per_row:
+            return cls(prefix.clone(), req_to_token[rows, prefix], layout.batch_size, True, layout=layout)
+        slot_pos = new_token_positions(layout)
+        out_loc = req_to_token[torch.repeat_interleave(rows, layout.extend_lens, output_size=layout.num_new_tokens),
+                               slot_pos]
+        return cls(slot_pos if positions is None else positions, out_loc, layout.batch_size, False,
+                   layout=layout, tree_masks=tree_masks)
+
+    @classmethod
+    def build(cls, req_to_token: torch.Tensor, layout: RowLayout,
+              tree_masks: list[torch.Tensor | None] | None = None,
               positions: torch.Tensor | None = None) -> "ForwardContext":
-        """rows/prefix_lens/extend_lens: [B] int64 on the model device. extra_masks:
-        per row an optional [q_len, q_len] restriction among the row's new tokens
-        (tree verification), ANDed into the causal mask. ``positions`` [T]
-        overrides the RoPE positions of the new tokens (a tree node sits at
-        prefix + depth, while its KV slot follows its index)."""
-        device = rows.device
-        batch = rows.shape[0]
-        kv_lens = prefix_lens + extend_lens
-        if extra_masks is not None and batch > 1 and bool((extend_lens == extend_lens[0]).all()):
-            return cls._uniform(req_to_token, rows, prefix_lens, int(extend_lens[0]), extra_masks, positions)
-        if extra_masks is None and positions is None and bool((extend_lens == 1).all()):
-            kv_indices, valid = _padded_slots(req_to_token, rows, kv_lens)
-            max_k = kv_indices.shape[1]
-            out_loc = req_to_token[rows, prefix_lens]
-            return cls(prefix_lens.clone(), out_loc, batch, True, kv_indices=kv_indices,
-                       attn_mask=valid.view(batch, 1, 1, max_k))
-        total_q = int(extend_lens.sum())
-        q_starts = torch.cumsum(extend_lens, 0) - extend_lens
-        rep_rows = torch.repeat_interleave(rows, extend_lens)
-        slot_pos = (torch.arange(total_q, device=device) - torch.repeat_interleave(q_starts, extend_lens)
-                    + torch.repeat_interleave(prefix_lens, extend_lens))
-        out_loc = req_to_token[rep_rows, slot_pos]
-        if positions is None:
-            positions = slot_pos
-        total_kv = int(kv_lens.sum())
-        kv_starts = torch.cumsum(kv_lens, 0) - kv_lens
-        kv_rows = torch.repeat_interleave(rows, kv_lens)
-        kv_pos = torch.arange(total_kv, device=device) - torch.repeat_interleave(kv_starts, kv_lens)
-        kv_flat = req_to_token[kv_rows, kv_pos]
-        spans = []
-        for i, (qs, ql, ks, kl, pre) in enumerate(zip(q_starts.tolist(), extend_lens.tolist(),
-                                                      kv_starts.tolist(), kv_lens.tolist(),
-                                                      prefix_lens.tolist())):
-            extra = extra_masks[i] if extra_masks is not None else None
-            mask = None
-            if pre > 0 or extra is not None:
-                q_pos = pre + torch.arange(ql, device=device)
-                mask = torch.arange(kl, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
-                if extra is not None:
-                    mask[:, pre:] &= extra.to(device)
-            spans.append(RowSpan(qs, ql, ks, kl, mask))
-        return cls(positions, out_loc, batch, False, kv_flat=kv_flat, spans=tuple(spans))
+        """``describe`` plus the torch_native plan (the draft head and tests use it directly)."""
+        ctx = cls.describe(req_to_token, layout, tree_masks, positions)
+        plan_torch_native(req_to_token, ctx)
+        return ctx
 
 
-    @classmethod
-    def _uniform(cls, req_to_token: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, q_len: int,
-                 extra_masks: list[torch.Tensor | None], positions: torch.Tensor | None) -> "ForwardContext":
-        """Rows that each add ``q_len`` tokens restricted by ``extra_masks`` (a
-        verified tree): keys are each row's prefix followed by its new tokens."""
-        device = rows.device
-        batch = rows.shape[0]
-        kv_indices, valid = _padded_slots(req_to_token, rows, prefix_lens + q_len)
-        max_k = kv_indices.shape[1]
-        k_ar = torch.arange(max_k, device=device)
-        q_idx = torch.arange(q_len, device=device)
-        slot_pos = (prefix_lens.unsqueeze(1) + q_idx.unsqueeze(0))                     # [B, q]
-        out_loc = req_to_token[rows.unsqueeze(1), slot_pos].reshape(-1)
-        # prefix keys: all visible; new keys: as the row's extra mask says
-        extra = torch.stack([m if m is not None else torch.ones(q_len, q_len, dtype=torch.bool, device=device)
-                             .tril() for m in extra_masks]).to(device)                  # [B, q, q]
-        rel = k_ar.view(1, 1, -1) - prefix_lens.view(-1, 1, 1)                          # [B, 1, Lk]
-        in_tree = (rel >= 0) & (rel < q_len)
-        tree_vis = torch.gather(extra, 2, rel.clamp(0, q_len - 1).expand(batch, q_len, max_k))
-        mask = torch.where(in_tree, tree_vis, rel < 0) & valid.unsqueeze(1)
-        pos = positions if positions is not None else slot_pos.reshape(-1)
-        return cls(pos, out_loc, batch, False, kv_indices=kv_indices, attn_mask=mask.unsqueeze(1),
-                   q_per_row=q_len)
+def new_token_positions(layout: RowLayout) -> torch.Tensor:
+    """[T] position of every new token within its row, rows packed one after another."""
+    total = layout.num_new_tokens
+    ext = layout.extend_lens
+    q_starts = torch.cumsum(ext, 0) - ext
+    return (torch.arange(total, device=ext.device)
+            + torch.repeat_interleave(layout.prefix_lens - q_starts, ext, output_size=total))
 
 
-def _padded_slots(req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's KV slots [B, max kv_len], padded with slot 0, and the validity mask."""
-    max_k = int(kv_lens.max())
-    valid = torch.arange(max_k, device=rows.device).unsqueeze(0) < kv_lens.unsqueeze(1)
-    return torch.where(valid, req_to_token[rows, :max_k], 0), valid
+def plan_torch_native(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
+    """Slot lists and masks for SDPA, from the host lengths (no device reads)."""
+    layout = ctx.layout
+    assert layout is not None
+    device, rows, batch = layout.rows.device, layout.rows, layout.batch_size
+    kv_lens = layout.host_kv_lens
+    if ctx.is_decode:
+        ctx.kv_indices, valid = _padded_slots(req_to_token, layout, max(kv_lens))
+        ctx.attn_mask = valid.view(batch, 1, 1, -1)
+        return
+    if ctx.tree_masks is not None and batch > 1 and layout.uniform_extend:
+        _plan_uniform(req_to_token, ctx)
+        return
+    total_kv = sum(kv_lens)
+    kv_lens_dev = layout.prefix_lens + layout.extend_lens
+    kv_starts = torch.cumsum(kv_lens_dev, 0) - kv_lens_dev
+    kv_rows = torch.repeat_interleave(rows, kv_lens_dev, output_size=total_kv)
+    kv_pos = torch.arange(total_kv, device=device) - torch.repeat_interleave(kv_starts, kv_lens_dev,
+                                                                              output_size=total_kv)
+    ctx.kv_flat = req_to_token[kv_rows, kv_pos]
+    spans = []
+    q_start = kv_start = 0
+    for i, (pre, ql) in enumerate(zip(layout.host_prefix, layout.host_extend)):
+        kl = pre + ql
+        extra = ctx.tree_masks[i] if ctx.tree_masks is not None else None
+        mask = None
+        if pre > 0 or extra is not None:
+            q_pos = pre + torch.arange(ql, device=device)
+            mask = torch.arange(kl, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
+            if extra is not None:
+                mask[:, pre:] &= extra.to(device)
+        spans.append(RowSpan(q_start, ql, kv_start, kl, mask))
+        q_start += ql
+        kv_start += kl
+    ctx.spans = tuple(spans)
+
+
+def _plan_uniform(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
+    """Rows that each add ``q_len`` tokens restricted by tree masks (a verified
+    tree): keys are each row's prefix followed by its new tokens."""
+    layout, masks = ctx.layout, ctx.tree_masks
+    assert layout is not None and masks is not None
+    device, batch, q_len = layout.rows.device, layout.batch_size, layout.host_extend[0]
+    prefix_lens = layout.prefix_lens
+    kv_indices, valid = _padded_slots(req_to_token, layout, max(layout.host_kv_lens))
+    max_k = kv_indices.shape[1]
+    k_ar = torch.arange(max_k, device=device)
+    # prefix keys: all visible; new keys: as the row's tree mask says
+    extra = torch.stack([m if m is not None else torch.ones(q_len, q_len, dtype=torch.bool, device=device)
+                         .tril() for m in masks]).to(device)                          # [B, q, q]
+    rel = k_ar.view(1, 1, -1) - prefix_lens.view(-1, 1, 1)                          # [B, 1, Lk]
+    in_tree = (rel >= 0) & (rel < q_len)
+    tree_vis = torch.gather(extra, 2, rel.clamp(0, q_len - 1).expand(batch, q_len, max_k))
+    mask = torch.where(in_tree, tree_vis, rel < 0) & valid.unsqueeze(1)
+    ctx.kv_indices, ctx.attn_mask, ctx.q_per_row = kv_indices, mask.unsqueeze(1), q_len
+
+
+def _padded_slots(req_to_token: torch.Tensor, layout: RowLayout, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's KV slots [B, max_k] (max_k: the longest row, from the host), padded
+    with slot 0, and the validity mask."""
+    kv_lens = layout.prefix_lens + layout.extend_lens
+    valid = torch.arange(max_k, device=kv_lens.device).unsqueeze(0) < kv_lens.unsqueeze(1)
+    return torch.where(valid, req_to_token[layout.rows, :max_k], 0), valid
+
+
+class AttentionBackend(Protocol):
+    """What a model's attention layers call: ``context`` once per forward (planning
+    every layer's metadata), ``forward`` once per layer."""
+    name: str
+
+    def context(self, req_to_token: torch.Tensor, layout: RowLayout,
+                tree_masks: list[torch.Tensor | None] | None = None,
+                positions: torch.Tensor | None = None) -> ForwardContext: ...
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor: ...
 
 
 class TorchNativeAttention:
     """SDPA over KV gathered from the paged pool; runs anywhere torch runs."""
+
+    name = "torch_native"
 
     def __init__(self, kv_pool: KVStore, num_heads: int, num_kv_heads: int, head_dim: int,
                  mirror: "DecodeKVMirror | None" = None) -> None:
@@ -173,6 +264,12 @@ class TorchNativeAttention:
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+
+    def context(self, req_to_token: torch.Tensor, layout: RowLayout,
+                tree_masks: list[torch.Tensor | None] | None = None,
+                positions: torch.Tensor | None = None) -> ForwardContext:
+        """The forward's context, planned once for every layer."""
+        return ForwardContext.build(req_to_token, layout, tree_masks, positions)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:

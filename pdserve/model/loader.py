@@ -12,6 +12,7 @@ the pages of the one shard open (memory-mapped: file-backed, reclaimable).
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -52,22 +53,42 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(factory: Callable[[], M], model_dir: Path, device: torch.device | str, dtype: torch.dtype,
-                rename: Callable[[str], str | None] | None = None) -> M:
+                rename: Callable[[str], str | None] | None = None, random_weights: bool = False) -> M:
     """``factory()`` constructed without storage, materialised on ``device`` with its
     floating-point parameters in ``dtype`` (others keep theirs: EAGLE3's int64 ``d2t``)
     and loaded from ``model_dir`` as `load_weights` does, with the same checks.
 
     Every parameter is then written by the checkpoint (or reported missing: an error,
     so no uninitialised memory is ever used); the only values no checkpoint tensor
-    covers, LMHead's vocabulary padding rows, are zeroed explicitly."""
+    covers, LMHead's vocabulary padding rows, are zeroed explicitly.
+
+    ``random_weights`` (``--load-format dummy``) skips the checkpoint: seeded random
+    matrices, unit norms, zero biases; for benchmarks at a real model's shapes."""
     with torch.device("meta"):
         model = factory()
     materialize(model, torch.device(device), dtype)
+    if random_weights:
+        fill_random(model)
+    else:
+        load_weights(model, Path(model_dir), rename=rename)
     for module in model.modules():
         if isinstance(module, LMHead):  # rows past the vocabulary (TP padding): never loaded
             module.weight.data[module.hi - module.lo:].zero_()
-    load_weights(model, Path(model_dir), rename=rename)
     return model
+
+
+@torch.no_grad()
+def fill_random(model: nn.Module, seed: int = 0) -> None:
+    """Weights for a model without a checkpoint: matrices ~ N(0, 0.02) (seeded, made
+    on the device), 1-D norm weights 1 and biases 0."""
+    for name, param in model.named_parameters():
+        if not param.is_floating_point():
+            continue
+        if param.dim() >= 2:
+            gen = torch.Generator(device=param.device).manual_seed(seed + zlib.crc32(name.encode()))
+            param.normal_(0.0, 0.02, generator=gen)
+        else:
+            param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
 from pdserve.config import ConfigError, ServerArgs
-from pdserve.model.attention import ForwardContext, KVStore, TorchNativeAttention
+from pdserve.model.attention import AttentionBackend, ForwardContext, KVStore, RowLayout, TorchNativeAttention
+from pdserve.model.cuda_graph import DecodeGraphs
 from pdserve.model.decode_mirror import DecodeKVMirror
+from pdserve.model.device_io import upload
 from pdserve.model.layers import Linear, RotaryEmbedding
 from pdserve.model.loader import build_model
 from pdserve.model.model_config import ModelConfig
@@ -26,9 +29,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 class ForwardInput:
     """One forward, described by the scheduler (all tensors on the model device)."""
     input_ids: torch.Tensor     # [T] new tokens, packed row after row
-    rows: torch.Tensor          # [B] request-table rows
-    prefix_lens: torch.Tensor   # [B] tokens already in the KV pool
-    extend_lens: torch.Tensor   # [B] new tokens per row
+    layout: RowLayout           # rows, prefix and extend lengths (device and host)
     sample_index: torch.Tensor  # [R] packed positions whose logits are wanted
     # Tree verification: RoPE positions of the new tokens and per-row ancestry masks.
     positions: torch.Tensor | None = None
@@ -36,6 +37,17 @@ class ForwardInput:
     # Plain decode steps only (one new token per row, no masks): one key per row
     # naming the request (see DecodeKVMirror).
     decode_keys: list[int] | None = None
+
+    @classmethod
+    def upload(cls, input_ids: Sequence[int] | torch.Tensor, rows: Sequence[int], prefix_lens: Sequence[int],
+               extend_lens: Sequence[int], sample_index: Sequence[int] | None, device: torch.device,
+               **extra: Any) -> "ForwardInput":
+        """A forward from the scheduler's host values, uploaded without a host-device
+        sync; ``sample_index`` None: every new token's logits (one per row in decode)."""
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else upload(input_ids, torch.int64, device)
+        index = (torch.arange(sum(extend_lens), device=device) if sample_index is None
+                 else upload(sample_index, torch.int64, device))
+        return cls(ids, RowLayout.upload(rows, prefix_lens, extend_lens, device), index, **extra)
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -60,7 +72,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else _DTYPES[args.kv_cache_dtype]
         # Built on the device in its dtype, the checkpoint streamed tensor by tensor (no host copy).
-        self.model = build_model(lambda: model_class(cfg)(cfg, tp), model_dir, self.device, self.dtype).eval()
+        self.model = build_model(lambda: model_class(cfg)(cfg, tp), model_dir, self.device, self.dtype,
+                                 random_weights=args.load_format == "dummy").eval()
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.prepack()
@@ -69,20 +82,51 @@ class ModelRunner:
         self.num_local_kv_heads = attn.num_kv_heads
         self.rotary = RotaryEmbedding(cfg.head_dim, self.context_len, cfg.rope).to(self.device)
         self.req_to_token: torch.Tensor | None = None
+        self.padding_row = 0
         self.decode_mirror: DecodeKVMirror | None = None
+        self.decode_graphs: DecodeGraphs | None = None
 
-    def bind_memory(self, kv_pool: KVStore, req_to_token: torch.Tensor, pool_tokens: int) -> None:
-        if not self.args.disable_decode_kv_mirror and self.device.type == "cpu":
+    def bind_memory(self, kv_pool: KVStore, req_to_token: torch.Tensor, pool_tokens: int, padding_row: int) -> None:
+        """``padding_row``: a request-table row never handed out (every position maps to
+        the padding slot 0), for rows that pad a batch to a captured size."""
+        self.attention_backend = self.args.resolved_attention_backend()
+        if (not self.args.disable_decode_kv_mirror and self.device.type == "cpu"
+                and self.attention_backend == "torch_native"):
             # Bounded to a quarter of the pool: past that, decode gathers from the pool.
             # Not on CUDA: there the pool is sized to fill the free device memory and
             # a gather costs little next to the device's bandwidth.
             self.decode_mirror = DecodeKVMirror(kv_pool, self.config.num_layers, self.num_local_kv_heads,
                                                 self.config.head_dim, self.dtype, self.device,
                                                 max_tokens=pool_tokens // 4)
-        backend = TorchNativeAttention(kv_pool, self.num_local_heads, self.num_local_kv_heads,
-                                       self.config.head_dim, self.decode_mirror)
-        self.model.bind(backend, self.rotary)
+        self.backend = self._attention(kv_pool)
+        self.model.bind(self.backend, self.rotary)
         self.req_to_token = req_to_token
+        self.padding_row = padding_row
+        if self.args.use_cuda_graph():
+            self.enable_decode_graphs(self.args.cuda_graph_max_bs, capture=True)
+
+    def enable_decode_graphs(self, max_bs: int, capture: bool) -> None:
+        """Plain decode forwards of up to ``max_bs`` rows go through static buffers,
+        replayed from CUDA graphs when ``capture`` (else run eagerly: the CPU tests)."""
+        if self.backend.name != "triton":
+            raise ConfigError("CUDA graphs need --attention-backend triton (its decode plan reads no host "
+                              "lengths)")
+        self.decode_graphs = DecodeGraphs(self._decode_logits, self.padding_row, max_bs, self.device)
+        if capture:
+            self.decode_graphs.capture()
+
+    def _decode_logits(self, input_ids: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+        """One token per row, every row's logits: the forward a decode graph records."""
+        assert self.req_to_token is not None
+        hidden, _ = self.model(input_ids, self.backend.context(self.req_to_token, layout))
+        return self.model.compute_logits(hidden)
+
+    def _attention(self, kv_pool: KVStore) -> AttentionBackend:
+        heads, kv_heads, head_dim = self.num_local_heads, self.num_local_kv_heads, self.config.head_dim
+        if self.attention_backend == "triton":
+            from pdserve.model.triton_backend import TritonAttention  # imports triton: only when chosen
+            return TritonAttention(kv_pool, heads, kv_heads, head_dim)
+        return TorchNativeAttention(kv_pool, heads, kv_heads, head_dim, self.decode_mirror)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardInput) -> torch.Tensor:
@@ -97,14 +141,19 @@ class ModelRunner:
         when ``capture_layers`` is empty (EAGLE), else the residual streams entering
         those layers, concatenated (EAGLE3)); and the KV slot of every new token [T]."""
         assert self.req_to_token is not None, "bind_memory() first"
+        layout = batch.layout
+        graphs = self.decode_graphs
+        if (graphs is not None and capture_layers is None and batch.extra_masks is None and batch.positions is None
+                and layout.one_token_per_row and graphs.fits(layout.batch_size)):
+            logits = graphs.run(batch.input_ids, layout)[batch.sample_index]
+            return logits, None, self.req_to_token[layout.rows, layout.prefix_lens]
         step = None
         if self.decode_mirror is not None and batch.decode_keys is not None:
-            step = self.decode_mirror.prepare(batch.decode_keys, self.req_to_token, batch.rows, batch.prefix_lens)
+            step = self.decode_mirror.prepare(batch.decode_keys, self.req_to_token, layout.rows, layout.prefix_lens)
         if step is not None:
-            ctx = ForwardContext.mirrored(self.req_to_token, batch.rows, batch.prefix_lens, step)
+            ctx = ForwardContext.mirrored(self.req_to_token, layout, step)
         else:
-            ctx = ForwardContext.build(self.req_to_token, batch.rows, batch.prefix_lens, batch.extend_lens,
-                                       batch.extra_masks, batch.positions)
+            ctx = self.backend.context(self.req_to_token, layout, batch.extra_masks, batch.positions)
         hidden, captured = self.model(batch.input_ids, ctx, capture_layers or ())
         logits = self.model.compute_logits(hidden[batch.sample_index])
         if capture_layers is None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.attention import ForwardContext, TorchNativeAttention
+from pdserve.model.attention import AttentionBackend, ForwardContext
 from pdserve.model.layers import (ColumnParallelLinear, Embedding, LMHead, QKVParallelLinear, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear)
 from pdserve.model.model_config import ModelConfig
@@ -32,7 +32,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.backend: TorchNativeAttention | None = None  # bound by the model runner
+        self.backend: AttentionBackend | None = None  # bound by the model runner
         self.rotary: RotaryEmbedding | None = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -129,7 +129,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def bind(self, backend: TorchNativeAttention, rotary: RotaryEmbedding) -> None:
+    def bind(self, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
         for layer in self.model.layers:
             layer.self_attn.backend = backend
             layer.self_attn.rotary = rotary

@@ -34,13 +34,10 @@ class PlainDecoding:
         reqs = list(sched.running)
         if not reqs:
             return None
-        rows, pos = sched.kv.grow_by_one(reqs)
-        fwd = ForwardInput(
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=sched.device),
-            rows=rows, prefix_lens=pos, extend_lens=torch.ones_like(pos),
-            sample_index=torch.arange(len(reqs), device=sched.device),
-            decode_keys=[sched.kv.req_table.key(r.row) for r in reqs],
-        )
+        fwd = ForwardInput.upload([r.output_ids[-1] for r in reqs], [r.row for r in reqs], [r.kv_len for r in reqs],
+                                  [1] * len(reqs), None, sched.device,
+                                  decode_keys=[sched.kv.req_table.key(r.row) for r in reqs])
+        sched.kv.grow_by_one(reqs, fwd.layout)
         for r in reqs:
             r.kv_len += 1
         return ScheduledBatch("decode", reqs, fwd, sampling_reqs=reqs, sampling_rows=list(range(len(reqs))))

@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 
 from pdserve.config import ServerArgs
+from pdserve.model.attention import RowLayout
+from pdserve.model.device_io import upload
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.memory import PageAllocator, ReqToTokenPool, TokenToKVPool
@@ -77,7 +79,7 @@ class KVManager:
         self.cache: RadixCache | ChunkCache = (
             ChunkCache(self.allocator) if args.disable_radix_cache else RadixCache(self.allocator))
         self.followers: list[SlotFollower] = []
-        runner.bind_memory(self.kv_pool, self.req_table.table, self.num_slots)
+        runner.bind_memory(self.kv_pool, self.req_table.table, self.num_slots, self.req_table.padding_row)
 
     # ---- capacity -----------------------------------------------------------------
     @property
@@ -127,13 +129,16 @@ class KVManager:
 
     # ---- slots ------------------------------------------------------------------------
     def alloc_pages(self, n: int) -> torch.Tensor:
+        return torch.tensor(self.alloc_page_ids(n), dtype=torch.int64)
+
+    def alloc_page_ids(self, n: int) -> list[int]:
         while self.allocator.num_free < n:
             if self.cache.evict(n - self.allocator.num_free) == 0:
                 # Admission and decode-room checks make this unreachable; if it is
                 # reached, the accounting is wrong and must not be papered over.
                 raise RuntimeError(f"KV accounting error: need {n} pages, {self.allocator.num_free} free, "
                                    f"{self.cache.evictable_pages} reported evictable")
-        return self.allocator.alloc(n)
+        return self.allocator.alloc_ids(n)
 
     def assign(self, req: Req, start: int, end: int) -> None:
         """Give positions [start, end) of ``req`` KV slots (continuing its last page)."""
@@ -163,20 +168,22 @@ class KVManager:
         assert req.row is not None
         return self.req_table.table[req.row, start:end].tolist()
 
-    def grow_by_one(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One more slot for each request (a decode step): returns (rows, positions)."""
-        ps, dev = self.page_size, self.device
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev)
-        pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev)
+    def grow_by_one(self, reqs: list[Req], layout: RowLayout) -> None:
+        """One more slot for each request (a decode step) at position ``r.kv_len``;
+        ``layout`` holds the same rows and positions on the device. Page choices are
+        made on the host and go up in one upload: no device read."""
+        ps = self.page_size
+        rows, pos = layout.rows, layout.prefix_lens
         needs_page = [r.kv_len % ps == 0 for r in reqs]
-        pages = self.alloc_pages(sum(needs_page)).to(dev)
+        pages = iter(self.alloc_page_ids(sum(needs_page)))
+        # Per row: the first slot of its new page, or 0 where it continues its last page.
+        new_slot = upload([next(pages) * ps if needed else 0 for needed in needs_page], torch.int64, self.device)
         if ps == 1:
-            slots = pages
+            slots = new_slot
         else:
-            slots = self.req_table.table[rows, (pos - 1).clamp(min=0)] + 1
-            slots[torch.tensor(needs_page, device=dev)] = pages * ps
+            following = self.req_table.table[rows, (pos - 1).clamp(min=0)] + 1
+            slots = torch.where(new_slot > 0, new_slot, following)
         self.req_table.table[rows, pos] = slots
-        return rows, pos
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.kv_pool.copy_slots(dst, src)

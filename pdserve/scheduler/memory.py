@@ -40,15 +40,17 @@ class PageAllocator:
         return len(self._free)
 
     def alloc(self, n: int) -> torch.Tensor:
+        return torch.tensor(self.alloc_ids(n), dtype=torch.int64)
+
+    def alloc_ids(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(f"need {n} KV pages, {len(self._free)} free")
         if n == 0:
-            return torch.empty(0, dtype=torch.int64)
-        pages = self._free[-n:]
+            return []
+        pages = self._free[-n:][::-1]
         del self._free[-n:]
-        out = torch.tensor(pages[::-1], dtype=torch.int64)
-        self.refcount[out] = 1
-        return out
+        self.refcount[pages] = 1
+        return pages
 
     def retain(self, pages: torch.Tensor) -> None:
         """Add one owner to each of `pages` (distinct, already allocated)."""
@@ -74,7 +76,10 @@ class ReqToTokenPool:
     """Row r maps request position i to its KV slot: table[r, i]."""
 
     def __init__(self, num_rows: int, max_context_len: int, device: torch.device) -> None:
-        self.table = torch.zeros(num_rows, max_context_len, dtype=torch.int64, device=device)
+        # One more row than requests: the padding row (never handed out, every
+        # position mapping to the padding slot 0) that padded batches point at.
+        self.table = torch.zeros(num_rows + 1, max_context_len, dtype=torch.int64, device=device)
+        self.padding_row = num_rows
         self.num_rows = num_rows
         self._free = list(range(num_rows - 1, -1, -1))
         self._allocations = [0] * num_rows  # per row, to tell its successive requests apart
@@ -136,6 +141,9 @@ class TokenToKVPool:
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer][loc] = k.to(self.dtype)
         self.v[layer][loc] = v.to(self.dtype)
+
+    def layer_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
 
     def gather(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `indices` (any shape) as [*indices.shape, kv_heads, head_dim]."""

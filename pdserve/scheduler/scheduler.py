@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from pdserve.config import ServerArgs
+from pdserve.model.device_io import upload
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ForwardInput, ModelRunner
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput, draw
@@ -297,15 +298,9 @@ class Scheduler(FaultIsolation):
             ids += req.fill_ids[req.kv_len: req.kv_len + extend]
             if req.kv_len + extend == req.fill_len:
                 sample_index.append(len(ids) - 1)
-        dev = self.device
         reqs = [r for r, _ in admitted]
-        fwd = ForwardInput(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            rows=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
-            prefix_lens=torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev),
-            extend_lens=torch.tensor([e for _, e in admitted], dtype=torch.int64, device=dev),
-            sample_index=torch.tensor(sample_index, dtype=torch.int64, device=dev),
-        )
+        fwd = ForwardInput.upload(ids, [r.row for r in reqs], [r.kv_len for r in reqs], [e for _, e in admitted],
+                                  sample_index, self.device)
         for req, extend in admitted:
             req.kv_len += extend  # KV is written by this forward
         return ScheduledBatch("prefill", reqs, fwd)
@@ -330,7 +325,7 @@ class Scheduler(FaultIsolation):
             row += 1
         reqs = batch.sampling_reqs
         if reqs:
-            rows = torch.tensor(batch.sampling_rows, dtype=torch.int64, device=logits.device)
+            rows = upload(batch.sampling_rows, torch.int64, logits.device)
             draws = draw(logits[rows], reqs, reqs, self.vocab_size, self.eos_ids, self.tp)
             for i, req in enumerate(reqs):
                 draws.append_to(req, i)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.model.attention import ForwardContext, TorchNativeAttention
+from pdserve.model.attention import AttentionBackend, ForwardContext
 from pdserve.model.layers import ColumnParallelLinear, Embedding, Linear, LMHead, RMSNorm, RotaryEmbedding
 from pdserve.model.loader import WeightLoadError, build_model
 from pdserve.model.model_config import ModelConfig, ModelConfigError
@@ -192,7 +192,7 @@ class EagleDraftModel(nn.Module):
         return model.eval()
 
     # ---- running --------------------------------------------------------------------
-    def bind(self, backend: TorchNativeAttention, rotary: RotaryEmbedding) -> None:
+    def bind(self, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
         self.layer.self_attn.backend = backend
         self.layer.self_attn.rotary = rotary
 

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from pdserve.config import ServerArgs
-from pdserve.model.attention import ForwardContext, TorchNativeAttention
+from pdserve.model.attention import ForwardContext, RowLayout, TorchNativeAttention
+from pdserve.model.device_io import upload
 from pdserve.model.layers import RotaryEmbedding
 from pdserve.model.runner import ForwardInput, ModelRunner
 from pdserve.scheduler.memory import TokenToKVPool
@@ -125,13 +126,11 @@ class EagleWorker:
             assert len(fill) > r.kv_len, "the token after the last KV position must be known"
             ids += fill[r.draft_len + 1: r.kv_len + 1]
         dev = self.device
-        rows = torch.tensor([r.row for r in todo], dtype=torch.int64, device=dev)
-        starts = torch.tensor([r.draft_len for r in todo], dtype=torch.int64, device=dev)
-        lens = torch.tensor([r.kv_len - r.draft_len for r in todo], dtype=torch.int64, device=dev)
-        ctx = ForwardContext.build(table, rows, starts, lens)
-        hidden = self.draft(torch.tensor(ids, dtype=torch.int64, device=dev), self.features[ctx.out_cache_loc],
-                            ctx, from_target=True)
-        last = torch.cumsum(lens, 0) - 1
+        layout = RowLayout.upload([r.row for r in todo], [r.draft_len for r in todo],
+                                  [r.kv_len - r.draft_len for r in todo], dev)
+        ctx = ForwardContext.build(table, layout)
+        hidden = self.draft(upload(ids, torch.int64, dev), self.features[ctx.out_cache_loc], ctx, from_target=True)
+        last = torch.cumsum(layout.extend_lens, 0) - 1
         topk_p, topk_index = self._topk(hidden[last])
         for i, r in enumerate(todo):
             r.spec = SpecState(topk_p[i], topk_index[i], hidden[last[i]])
@@ -214,18 +213,11 @@ class EagleWorker:
 
     # ---- verification -------------------------------------------------------------
     def verify_input(self, reqs: list[Req], tree: DraftTree) -> ForwardInput:
-        dev = self.device
-        n = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev)
         nodes = self.num_draft_tokens
-        return ForwardInput(
-            input_ids=tree.tokens.reshape(-1),
-            rows=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
-            prefix_lens=n,
-            extend_lens=torch.full_like(n, nodes),
-            sample_index=torch.arange(len(reqs) * nodes, device=dev),
-            positions=(n.unsqueeze(1) + tree.depths).reshape(-1),
-            extra_masks=list(tree.masks.unbind(0)),
-        )
+        fwd = ForwardInput.upload(tree.tokens.reshape(-1), [r.row for r in reqs], [r.kv_len for r in reqs],
+                                  [nodes] * len(reqs), None, self.device, extra_masks=list(tree.masks.unbind(0)))
+        fwd.positions = (fwd.layout.prefix_lens.unsqueeze(1) + tree.depths).reshape(-1)
+        return fwd
 
     @staticmethod
     def accept_path(tree_tokens: list[int], tree_parents: list[int], drawn: list[int]) -> list[int]:

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pdserve.model.attention import ForwardContext, TorchNativeAttention
+from pdserve.model.attention import ForwardContext, RowLayout, TorchNativeAttention
 from pdserve.model.decode_mirror import DecodeKVMirror
 from pdserve.model.layers import PREPACK_MIN_WEIGHTS, Linear, cpu_prepack
 from pdserve.scheduler.memory import ReqToTokenPool, TokenToKVPool
@@ -48,10 +48,11 @@ class World:
         prefix = [self.lens[r] for r in rows]
         for r, n in zip(rows, prefix):
             self.table.table[r, n] = self.free_slots.pop()
-        t_rows, t_prefix = torch.tensor(rows), torch.tensor(prefix)
-        ref_ctx = ForwardContext.build(self.table.table, t_rows, t_prefix, torch.ones_like(t_prefix))
-        ctx = ForwardContext.build(self.table.table, t_rows, t_prefix, torch.ones_like(t_prefix))
-        ctx.mirror = self.mirror.prepare([self.table.key(r) for r in rows], self.table.table, t_rows, t_prefix)
+        layout = RowLayout.upload(rows, prefix, [1] * len(rows), torch.device("cpu"))
+        ref_ctx = ForwardContext.build(self.table.table, layout)
+        ctx = ForwardContext.build(self.table.table, layout)
+        ctx.mirror = self.mirror.prepare([self.table.key(r) for r in rows], self.table.table, layout.rows,
+                                         layout.prefix_lens)
         for layer in range(LAYERS):
             q = torch.randn(len(rows), HEADS, DIM)
             k, v = torch.randn(len(rows), KV_HEADS, DIM), torch.randn(len(rows), KV_HEADS, DIM)

@@ -163,12 +163,14 @@ def test_accounting_returns_to_full_after_mixed_use():
 # ---- ReqToTokenPool --------------------------------------------------------------
 def test_req_to_token_pool_alloc_free():
     pool = ReqToTokenPool(3, 10, torch.device("cpu"))
-    assert pool.table.shape == (3, 10)
+    # One more row than requests: the padding row, never handed out, all slot 0.
+    assert pool.table.shape == (4, 10) and pool.padding_row == 3
     assert pool.table.dtype == torch.int64
     assert pool.num_free == 3
     rows = [pool.alloc() for _ in range(3)]
     assert sorted(rows) == [0, 1, 2]
     assert pool.num_free == 0
+    assert bool((pool.table[pool.padding_row] == 0).all())
     with pytest.raises(OutOfPages):
         pool.alloc()
     pool.free(rows[1])

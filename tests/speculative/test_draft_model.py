@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.config import ServerArgs
-from pdserve.model.attention import ForwardContext, TorchNativeAttention
+from pdserve.model.attention import ForwardContext, RowLayout, TorchNativeAttention
 from pdserve.model.layers import RotaryEmbedding
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
@@ -73,8 +73,7 @@ class DraftRun:
                         RotaryEmbedding(lay.head_dim, 64, lay.rope))
 
     def run(self, ids: torch.Tensor, hidden: torch.Tensor, prefix: int, from_target: bool) -> torch.Tensor:
-        ctx = ForwardContext.build(self.table.table, torch.tensor([self.row]), torch.tensor([prefix]),
-                                   torch.tensor([len(ids)]))
+        ctx = ForwardContext.build(self.table.table, RowLayout.upload([self.row], [prefix], [len(ids)], ids.device))
         with torch.no_grad():
             return self.model(ids, hidden, ctx, from_target)
 
@@ -116,8 +115,8 @@ def test_eagle3_capture_follows_sglang_layer_ids(tmp_path, target_dir, runner, h
     row = table.alloc()
     table.table[row, :10] = torch.arange(1, 11)
     runner.bind_memory(TokenToKVPool("target", 4, 64, 2, runner.config.head_dim, torch.float32, runner.device),
-                       table.table, 64)
-    ctx = ForwardContext.build(table.table, torch.tensor([row]), torch.tensor([0]), torch.tensor([10]))
+                       table.table, 64, table.padding_row)
+    ctx = ForwardContext.build(table.table, RowLayout.upload([row], [0], [10], runner.device))
     with torch.no_grad():
         final, captured = runner.model(ids[0], ctx, cfg.capture_layers)
     ref = target_pass(hf_target, ids, [0, 1, 2])

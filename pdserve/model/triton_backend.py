@@ -1,0 +1,96 @@
+"""The triton attention backend: pdserve's own paged kernels (model/triton_attention.py).
+
+Planned once per forward from the row layout (device tensors only; the host copy
+gives the grid sizes), run once per layer. Nothing here reads the device, so a
+decode forward can be captured in a CUDA graph. On a CPU it runs only under
+Triton's interpreter (the tests' reference check against torch_native).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.model import triton_attention as kernels
+from pdserve.model.attention import ForwardContext, KVStore, RowLayout
+from pdserve.model.device_io import upload
+
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    req_to_token: torch.Tensor
+    rows: torch.Tensor       # [B] request-table rows
+    seq_lens: torch.Tensor   # [B] keys per row, the new token included
+    num_splits: int          # context chunks per row (split-KV), from shapes only
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    req_to_token: torch.Tensor
+    rows: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    q_starts: torch.Tensor            # [B] first new token of each row in the packed batch
+    max_extend: int                   # longest row's new tokens (grid size)
+    custom_mask: torch.Tensor | None  # tree verification: rows' [q, q] visibility blocks, flat uint8
+    mask_starts: torch.Tensor | None  # [B] offset of each row's block
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self, kv_pool: KVStore, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        if head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"--attention-backend triton supports head_dim <= {MAX_HEAD_DIM}, "
+                             f"the model has {head_dim}")
+        self.pool = kv_pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def context(self, req_to_token: torch.Tensor, layout: RowLayout,
+                tree_masks: list[torch.Tensor | None] | None = None,
+                positions: torch.Tensor | None = None) -> ForwardContext:
+        ctx = ForwardContext.describe(req_to_token, layout, tree_masks, positions)
+        ctx.plan = self.plan(req_to_token, layout, ctx.is_decode, tree_masks)
+        return ctx
+
+    def plan(self, req_to_token: torch.Tensor, layout: RowLayout, is_decode: bool,
+             tree_masks: list[torch.Tensor | None] | None) -> DecodePlan | ExtendPlan:
+        if is_decode:
+            return DecodePlan(req_to_token, layout.rows, layout.prefix_lens + 1,
+                              kernels.choose_num_splits(layout.batch_size, self.num_kv_heads))
+        ext = layout.extend_lens
+        custom = starts = None
+        if tree_masks is not None:
+            device = ext.device
+            blocks = [(m if m is not None else torch.ones(e, e, dtype=torch.bool, device=device).tril())
+                      for m, e in zip(tree_masks, layout.host_extend)]
+            custom = torch.cat([b.reshape(-1) for b in blocks]).to(torch.uint8)
+            offsets, at = [], 0
+            for e in layout.host_extend:
+                offsets.append(at)
+                at += e * e
+            starts = upload(offsets, torch.int64, device)
+        return ExtendPlan(req_to_token, layout.rows, layout.prefix_lens, ext, torch.cumsum(ext, 0) - ext, layout.max_extend,
+                          custom, starts)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq*D]."""
+        k_buf, v_buf = self.pool.layer_buffers(layer)
+        kernels.store_kv(k_buf, v_buf, ctx.out_cache_loc, k, v)
+        plan = ctx.plan
+        if isinstance(plan, DecodePlan):
+            out = kernels.decode_attention(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.seq_lens, self.scale,
+                                           plan.num_splits)
+        else:
+            assert isinstance(plan, ExtendPlan), "context() plans every forward"
+            out = kernels.extend_attention(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.prefix_lens, plan.extend_lens,
+                                           plan.q_starts, plan.max_extend, self.scale, plan.custom_mask,
+                                           plan.mask_starts)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
