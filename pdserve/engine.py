@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from pdserve.config import ConfigError, ServerArgs
 from pdserve.model.model_config import ModelConfig
-from pdserve.model.parallel import TPGroup
+from pdserve.model.parallel import TPGroup, bind_device
 from pdserve.requests import RequestBuilder
 from pdserve.scheduler.messages import Command, NewRequest
 from pdserve.scheduler.req import Req, samples_from_message
@@ -64,6 +64,7 @@ class Engine:
         self._conn_box: list[Any] = []
         self._finalizer = weakref.finalize(self, Engine._stop_procs, self._procs, self._conn_box)
         if self.args.tp_size == 1:
+            bind_device(0, self.args.resolved_device())
             self._scheduler = build_scheduler(self.args, self.model_dir, self.tokenizer_dir, TPGroup())
             self.context_len = self._scheduler.context_len
             self.vocab_size = self._scheduler.vocab_size

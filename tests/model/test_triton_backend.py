@@ -78,6 +78,16 @@ def test_refusals():
     assert ServerArgs(device="cpu").resolved_attention_backend() == "torch_native"
 
 
+def test_tp_on_cuda_and_wide_heads_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="--tp-size: tensor parallelism on CUDA is refused"):
+        ServerArgs(device="cuda", tp_size=2)
+    assert ServerArgs(device="cuda").resolved_attention_backend() == "triton"
+    from pdserve.model.triton_backend import TritonAttention
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        TritonAttention(None, 4, 2, 512)  # type: ignore[arg-type]
+
+
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ConfigError, match="--attention-backend: triton needs a CUDA device"):
