@@ -16,12 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class ApiError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.kind = kind
+        self.code = code  # OpenAI's error code (e.g. "model_not_found"); None: the status
 
 
 def from_value_error(exc: ValueError) -> ApiError:
@@ -96,7 +97,8 @@ class SGLangExtensions(_Strict):
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
                "suffix", "audio", "modalities", "prediction", "web_search_options", "return_hidden_states",
                "regex", "json_schema", "ebnf", "lora_path", "reasoning_effort", "continue_final_message",
-               "background", "return_bytes", "return_entropy", "return_text_in_logprobs")
+               "background", "return_bytes", "return_entropy", "return_text_in_logprobs", "return_routed_experts",
+               "token_ids_logprob", "image_data")
 _OFF_VALUES: tuple[Any, ...] = (None, False, {}, [], "none", "auto", "text", {"type": "text"})
 
 
@@ -187,12 +189,17 @@ class GenerateRequest(_Strict):
     model: Optional[str] = None
     log_metrics: Optional[bool] = None
     no_logs: Optional[bool] = None
-    # Would change the response: refused when set.
+    # Would change the response: refused when set. SGLang's benchmark client sends
+    # lora_path null and return_routed_experts false with every request.
     return_hidden_states: Optional[bool] = None
     return_text_in_logprobs: Optional[bool] = None
     background: Optional[bool] = None
     return_bytes: Optional[bool] = None
     return_entropy: Optional[bool] = None
+    return_routed_experts: Optional[bool] = None
+    lora_path: Optional[Any] = None
+    token_ids_logprob: Optional[list[int]] = None
+    image_data: Optional[Any] = None
 
 
 def refuse_unsupported(req: BaseModel) -> None:
