@@ -49,6 +49,9 @@ def check_tp_layout(model_dir: Path, tp_size: int) -> None:
                           "nor replicated evenly over it")
     if cfg.hidden_size % tp_size or cfg.intermediate_size % tp_size:
         raise ConfigError(f"--tp-size {tp_size}: hidden_size / intermediate_size not divisible by it")
+    if cfg.moe is not None and cfg.moe.intermediate_size % tp_size:
+        raise ConfigError(f"--tp-size {tp_size}: the experts' intermediate size ({cfg.moe.intermediate_size}) "
+                          "is not divisible by it")
 
 
 class Engine:

@@ -42,6 +42,8 @@ _ARCH = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 
@@ -65,7 +67,7 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", *, hidden_size:
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = hidden_size // num_heads
     kwargs.update(config_overrides)
     cfg = cfg_cls(**kwargs)

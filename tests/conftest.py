@@ -38,6 +38,14 @@ MODEL_SPECS: dict[str, dict[str, Any]] = {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen2": dict(arch="qwen2", num_heads=4, num_kv_heads=2),
     "qwen3": dict(arch="qwen3", num_heads=4, num_kv_heads=2),
+    # Mixture of experts (tests/model/test_moe.py). Layer 1 dense (mlp_only_layers),
+    # renormalised top-2 of 8.
+    "qwen3_moe": dict(arch="qwen3_moe", num_layers=3, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[1]),
+    # decoder_sparse_step 2: layer 0 dense, layer 1 sparse; raw (unnormalised) top-3 of 6.
+    "qwen3_moe_step2": dict(arch="qwen3_moe", num_layers=2, num_experts=6, num_experts_per_tok=3,
+                            moe_intermediate_size=32, norm_topk_prob=False, decoder_sparse_step=2),
+    "mixtral": dict(arch="mixtral", num_layers=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
 }
 
 

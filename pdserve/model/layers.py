@@ -107,19 +107,45 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         mid = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
         is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = torch.where(is_mid, mid, scaled)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, head_dim, rope)
     return inv_freq.float()
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """YaRN (NTK-by-parts): frequency pairs that turn fewer than ``beta_slow`` times over
+    the pretraining length are interpolated (divided by ``factor``), those turning more
+    than ``beta_fast`` times are kept, and a linear ramp over the pair index blends the
+    ones between. The cos/sin scaling is `RotaryEmbedding`'s (rope.attention_factor)."""
+    def pair_index(rotations: float) -> float:
+        # The (fractional) pair index whose frequency turns `rotations` times over the original length.
+        return (head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low, high = pair_index(rope.beta_fast), pair_index(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    # ramp 0: keep (extrapolate) the frequency; ramp 1: interpolate it.
+    return inv_freq * (1 - ramp) + (inv_freq / rope.factor) * ramp
+
+
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) RoPE with a precomputed cos/sin table."""
+    """Non-interleaved (rotate-half) RoPE with a precomputed cos/sin table (times
+    yarn's attention factor, as transformers applies it)."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # yarn scales both q and k (so the attention logits by its square); 1 otherwise.
+        scale = rope.attention_factor
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, 1, head_dim/2] at ``positions`` [T]."""

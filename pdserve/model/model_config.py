@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,17 +14,42 @@ class ModelConfigError(ValueError):
 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the correction range's rotation bounds, whether it is rounded to whole
+    # dimensions, and the factor cos/sin are multiplied by (resolved from
+    # attention_factor, or mscale / mscale_all_dim and factor, as transformers does).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The sparse feed-forward of Qwen3-MoE and Mixtral: a softmax router over
+    ``num_experts`` picks ``top_k`` per token; their probabilities are renormalised to
+    sum to 1 when ``norm_topk_prob`` (always for Mixtral). Layers not in
+    ``sparse_layers`` keep the dense MLP (Qwen3-MoE's ``mlp_only_layers`` /
+    ``decoder_sparse_step``)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+
+    def is_sparse(self, layer_id: int) -> bool:
+        return layer_id in self.sparse_layers
 
 
 @dataclass(frozen=True)
@@ -48,6 +74,7 @@ class ModelConfig:
     torch_dtype: str
     # Sliding-window attention is not implemented: such models are capped to the window.
     sliding_window: int | None
+    moe: MoeConfig | None = None  # None: every layer has the dense MLP
 
     @property
     def context_limit(self) -> int:
@@ -83,6 +110,10 @@ class ModelConfig:
         if raw.get("partial_rotary_factor", 1.0) != 1.0:
             raise ModelConfigError("partial_rotary_factor != 1 is not supported")
         is_qwen = arch.startswith("Qwen")
+        is_moe = arch in MOE_ARCHITECTURES
+        num_layers = int(raw["num_hidden_layers"])
+        moe = _moe_config(arch, raw, num_layers) if is_moe else None
+        attention_bias = bool(raw.get("attention_bias", False)) and arch != "MixtralForCausalLM"
         sliding = raw.get("sliding_window")
         if is_qwen and not raw.get("use_sliding_window", False):
             sliding = None
@@ -93,21 +124,23 @@ class ModelConfig:
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
-            rope=_rope_config(raw),
+            rope=_rope_config(raw, max_pos),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
-            o_proj_bias=bool(raw.get("attention_bias", False)) and not is_qwen,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=attention_bias or arch == "Qwen2ForCausalLM",
+            # Qwen2 has no o_proj bias; Qwen3 (dense and MoE) follows attention_bias, as in transformers.
+            o_proj_bias=attention_bias and (not is_qwen or arch.startswith("Qwen3")),
+            mlp_bias=bool(raw.get("mlp_bias", False)) and not is_moe,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=eos,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             sliding_window=int(sliding) if sliding else None,
+            moe=moe,
         )
 
 
@@ -120,7 +153,7 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]
     return tuple(int(v) for v in value)
 
 
-def _rope_config(raw: dict[str, Any]) -> RopeConfig:
+def _rope_config(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
     scaling = raw.get("rope_scaling") or raw.get("rope_parameters") or None
     theta = float(raw.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0)
     if not scaling:
@@ -137,5 +170,101 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
             high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
         )
+    if rope_type == "yarn":
+        return _yarn_config(raw, scaling, theta, max_position_embeddings)
     raise ModelConfigError(f"rope_scaling type {rope_type!r} is not supported "
-                           "(supported: default, linear, llama3)")
+                           "(supported: default, linear, llama3, yarn)")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term (paper eq. 21): 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_config(raw: dict[str, Any], scaling: dict[str, Any], theta: float,
+                 max_position_embeddings: int) -> RopeConfig:
+    """The yarn parameters as transformers resolves them: the pretraining length from
+    a top-level ``original_max_position_embeddings`` first (Phi-3 style), else from
+    rope_scaling, else max_position_embeddings; a missing factor is the ratio of the
+    two lengths; a missing attention_factor comes from mscale / mscale_all_dim when
+    both are set, else from the factor alone."""
+    original = raw.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    original = int(original or max_position_embeddings)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else max_position_embeddings / original
+    if factor < 1.0:
+        raise ModelConfigError(f"rope_scaling: yarn factor {factor} is below 1")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32.0)
+    beta_slow = float(scaling.get("beta_slow") or 1.0)
+    if beta_fast < beta_slow:
+        raise ModelConfigError(f"rope_scaling: yarn beta_fast {beta_fast} is below beta_slow {beta_slow}")
+    return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                      beta_fast=beta_fast, beta_slow=beta_slow, truncate=bool(scaling.get("truncate", True)),
+                      attention_factor=float(attention_factor))
+
+
+# MoE settings of other architectures (shared experts, grouped or biased routing,
+# sigmoid scores, scaled outputs): refused when set to anything but the value that
+# means "off", since silently ignoring any of them would change the outputs.
+_MOE_OFF: dict[str, tuple[object, ...]] = {
+    "shared_expert_intermediate_size": (None, 0),
+    "n_shared_experts": (None, 0),
+    "num_shared_experts": (None, 0),
+    "moe_shared_expert_intermediate_size": (None, 0),
+    "scoring_func": (None, "softmax"),
+    "topk_method": (None, "greedy"),
+    "n_group": (None, 0, 1),
+    "topk_group": (None, 0, 1),
+    "routed_scaling_factor": (None, 1, 1.0),
+    "first_k_dense_replace": (None, 0),
+    "moe_layer_freq": (None, 1),
+    "router_bias": (None, False),
+    "moe_router_bias": (None, False),
+    "use_expert_bias": (None, False),
+}
+
+
+def _moe_config(arch: str, raw: dict[str, Any], num_layers: int) -> MoeConfig:
+    def fail(msg: str) -> ModelConfigError:
+        return ModelConfigError(f"{arch}: {msg}")
+
+    for key, off in _MOE_OFF.items():
+        if key in raw and raw[key] not in off:
+            raise fail(f"{key}={raw[key]!r} is not supported (only {off[-1]!r}: top-k softmax routing "
+                       "over routed experts, no shared experts)")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise fail(f"hidden_act {act!r} is not supported (experts use silu)")
+    if arch == "MixtralForCausalLM":
+        num_experts = raw.get("num_local_experts")
+        norm = True  # Mixtral always renormalises the chosen experts' probabilities
+        inter = raw.get("intermediate_size")
+        sparse = tuple(range(num_layers))
+    else:
+        # Qwen3-MoE names it num_experts; transformers 5 writes num_local_experts.
+        counts = {raw[k] for k in ("num_experts", "num_local_experts") if raw.get(k) is not None}
+        if len(counts) > 1:
+            raise fail(f"num_experts and num_local_experts disagree: {sorted(counts)}")
+        num_experts = counts.pop() if counts else None
+        norm = raw.get("norm_topk_prob", False)
+        if not isinstance(norm, bool):
+            raise fail(f"norm_topk_prob must be true or false, got {norm!r}")
+        inter = raw.get("moe_intermediate_size")
+        step = int(raw.get("decoder_sparse_step", 1) or 1)
+        dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
+        sparse = tuple(i for i in range(num_layers)
+                       if i not in dense and (num_experts or 0) > 0 and (i + 1) % step == 0)
+    if num_experts is None or inter is None:
+        raise fail("the config lacks the expert count or the expert intermediate size")
+    num_experts, inter, top_k = int(num_experts), int(inter), int(raw.get("num_experts_per_tok", 0) or 0)
+    if sparse and not 1 <= top_k <= num_experts:
+        raise fail(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
+    return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter, norm_topk_prob=norm,
+                     sparse_layers=sparse)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pdserve.model.llama import LlamaForCausalLM, MistralForCausalLM
+from pdserve.model.mixtral import MixtralForCausalLM
 from pdserve.model.model_config import ModelConfig, ModelConfigError
 from pdserve.model.qwen2 import Qwen2ForCausalLM
 from pdserve.model.qwen3 import Qwen3ForCausalLM
+from pdserve.model.qwen3_moe import Qwen3MoeForCausalLM
 from pdserve.model.transformer import CausalLM
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -13,6 +15,8 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

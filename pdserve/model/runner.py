@@ -111,6 +111,9 @@ class ModelRunner:
         if self.backend.name != "triton":
             raise ConfigError("CUDA graphs need --attention-backend triton (its decode plan reads no host "
                               "lengths)")
+        if capture and self.config.moe is not None:
+            raise ConfigError(f"CUDA graphs are not supported for {self.config.architecture}: its MoE layers "
+                              "read the per-expert token counts on the host (run without --enable-cuda-graph)")
         self.decode_graphs = DecodeGraphs(self._decode_logits, self.padding_row, max_bs, self.device)
         if capture:
             self.decode_graphs.capture()

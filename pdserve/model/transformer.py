@@ -1,4 +1,5 @@
-"""The decoder shared by the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3).
+"""The decoder shared by the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, and
+the MoE ones: Qwen3-MoE, Mixtral).
 
 Architecture files choose the variant (biases, q/k norm) and the checkpoint
 name mapping; nothing here schedules or allocates KV: the forward context says
@@ -15,6 +16,7 @@ from pdserve.model.attention import AttentionBackend, ForwardContext
 from pdserve.model.layers import (ColumnParallelLinear, Embedding, LMHead, QKVParallelLinear, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear)
 from pdserve.model.model_config import ModelConfig
+from pdserve.model.moe import SparseMoeBlock
 from pdserve.model.parallel import TPGroup
 
 
@@ -71,7 +73,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        # MoE models (Qwen3-MoE, Mixtral): the experts in the layers their config marks sparse.
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_id)
+        self.mlp: nn.Module = SparseMoeBlock(cfg, tp) if sparse else MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)

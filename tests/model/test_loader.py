@@ -201,21 +201,22 @@ def test_no_safetensors_files(base_model, tmp_path):
 
 # ---- unsupported configs -------------------------------------------------------------------------
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
-def test_yarn_rope_scaling_rejected(base_model, tmp_path, key):
+def test_unsupported_rope_scaling_rejected(base_model, tmp_path, key):
+    # (yarn is supported: tests/model/test_yarn.py)
     def edit(cfg):
         cfg.pop("rope_parameters", None)
-        cfg[key] = {"rope_type": "yarn", "type": "yarn", "factor": 4.0,
-                    "original_max_position_embeddings": 256, "rope_theta": 10000.0}
-    assert_config_refused(edit_config(base_model, tmp_path / "m", edit), "yarn")
+        cfg[key] = {"rope_type": "longrope", "type": "longrope", "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8, "original_max_position_embeddings": 256, "rope_theta": 10000.0}
+    assert_config_refused(edit_config(base_model, tmp_path / "m", edit), "longrope")
 
 
-def test_legacy_type_key_yarn_rejected(base_model, tmp_path):
+def test_legacy_type_key_dynamic_rejected(base_model, tmp_path):
     def edit(cfg):
         cfg.pop("rope_parameters", None)
         cfg["rope_theta"] = 10000.0
-        cfg["rope_scaling"] = {"type": "yarn", "factor": 2.0}
+        cfg["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
     d = edit_config(base_model, tmp_path / "m", edit)
-    with pytest.raises(ModelConfigError, match="yarn"):
+    with pytest.raises(ModelConfigError, match="dynamic"):
         pdserve.Engine(model_path=str(d), max_total_tokens=256)
 
 

@@ -1,0 +1,161 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral).
+
+A replicated router scores every expert for each token (softmax in fp32), keeps the
+``top_k`` best and, with ``norm_topk_prob`` (always for Mixtral), renormalises their
+probabilities to sum to 1: for Mixtral that equals a softmax over the chosen logits.
+
+Expert weights are stored fused, ``gate_up`` [E, 2 * I_local, H] (this rank's gate rows,
+then its up rows) and ``down`` [E, H, I_local], filled from the checkpoint's per-expert
+matrices by ``weight_loader(tensor, shard)``. Tensor parallelism splits every expert's
+intermediate dimension like the dense MLP's column/row pair: each rank computes every
+routed token through its slice of each chosen expert, and the partial sums of the down
+projection are all-reduced once per layer, after the experts' outputs are combined
+(the combination is linear, so one reduction covers all of them).
+
+Grouped compute: the (token, slot) assignments are sorted by expert, so each expert's
+tokens form one contiguous slice of a gathered input; one matmul pair per expert that
+received tokens runs over its slice, and the results are scattered back and summed
+with the routing weights. That is one Python iteration per *expert* (E is fixed and
+small next to a prefill's tokens) and no work for the experts nobody chose, whereas a
+padded [E, capacity, H] bmm would compute E x capacity rows to serve T x k. The cost:
+the per-expert counts are read on the host once per layer (a device sync on CUDA),
+which is why decode CUDA graphs are refused for MoE models (see ModelRunner).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.layers import _attach_loader, _check_shape, _full_loader
+from pdserve.model.model_config import ModelConfig
+from pdserve.model.parallel import TPGroup, shard_range
+
+# Checkpoint names per layout: (gate, up, down) of expert `{e}`, relative to the MoE block.
+QWEN3_MOE_EXPERT_NAMES = ("experts.{e}.gate_proj", "experts.{e}.up_proj", "experts.{e}.down_proj")
+MIXTRAL_EXPERT_NAMES = ("experts.{e}.w1", "experts.{e}.w3", "experts.{e}.w2")
+
+
+def expert_stacked_params(num_experts: int, names: tuple[str, str, str], block: str = "mlp"
+                          ) -> tuple[tuple[str, str, object], ...]:
+    """`CausalLM.stacked_params` entries mapping each checkpoint expert matrix to our
+    fused parameters: gate -> ``mlp.experts.gate_up`` shard (e, 0), up -> (e, 1), down ->
+    ``mlp.experts.down`` shard e. ``block`` is the checkpoint's name of the MoE module
+    (Mixtral: ``block_sparse_moe``; ours is always ``mlp``), whose router is mapped too.
+    They must precede the dense entries: the loader takes the first match, and the dense
+    ``gate_proj`` entry would also match an expert's ``gate_proj``."""
+    gate, up, down = names
+    entries: list[tuple[str, str, object]] = []
+    for e in range(num_experts):
+        entries += [("mlp.experts.gate_up", f"{block}.{gate.format(e=e)}", (e, 0)),
+                    ("mlp.experts.gate_up", f"{block}.{up.format(e=e)}", (e, 1)),
+                    ("mlp.experts.down", f"{block}.{down.format(e=e)}", e)]
+    if block != "mlp":
+        entries.append(("mlp.gate", f"{block}.gate", None))
+    return tuple(entries)
+
+
+class _ExpertStack(nn.Module):
+    """One fused parameter ``weight`` [E, rows, cols] holding a matrix of every expert."""
+
+    def __init__(self, shape: tuple[int, int, int], loader: Callable[[nn.Parameter], Callable]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape))
+        _attach_loader(self.weight, loader(self.weight))
+
+
+class FusedExperts(nn.Module):
+    """Every expert's SwiGLU MLP, this rank's slice of each expert's intermediate dim."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden = hidden
+        self.intermediate = intermediate
+        self.lo, self.hi = shard_range(intermediate, tp.rank, tp.size, "moe_intermediate_size")
+        local = self.hi - self.lo
+        self.gate_up = _ExpertStack((num_experts, 2 * local, hidden), self._gate_up_loader)
+        self.down = _ExpertStack((num_experts, hidden, local), self._down_loader)
+
+    def _expert(self, e: object, what: str) -> int:
+        if not isinstance(e, int) or not 0 <= e < self.num_experts:
+            raise ValueError(f"{what}: expert {e!r} out of range (the model has {self.num_experts})")
+        return e
+
+    def _gate_up_loader(self, param: nn.Parameter) -> Callable[[torch.Tensor, object], None]:
+        def load(loaded: torch.Tensor, shard: object = None) -> None:
+            assert isinstance(shard, tuple), "expert gate/up weights load by (expert, 0 gate | 1 up)"
+            e, which = shard
+            what = f"experts.{e}.{('gate', 'up')[which]}"
+            e = self._expert(e, what)
+            _check_shape(loaded, (self.intermediate, self.hidden), what)
+            local = self.hi - self.lo
+            param.data[e, which * local:(which + 1) * local].copy_(loaded[self.lo:self.hi])
+        return load
+
+    def _down_loader(self, param: nn.Parameter) -> Callable[[torch.Tensor, object], None]:
+        def load(loaded: torch.Tensor, shard: object = None) -> None:
+            e = self._expert(shard, f"experts.{shard}.down")
+            _check_shape(loaded, (self.hidden, self.intermediate), f"experts.{e}.down")
+            param.data[e].copy_(loaded[:, self.lo:self.hi])
+        return load
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; topk_ids / topk_weights [T, k] -> this rank's partial sum [T, H]
+        (fp32) of sum_j weight_j * expert_{id_j}(x)."""
+        tokens, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        # Assignments grouped by expert (stable: token order kept within an expert).
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host: slice bounds
+        grouped = x[order // k]
+        out = torch.empty_like(grouped)
+        gate_up, down = self.gate_up.weight, self.down.weight
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = grouped[start:start + n]
+                gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
+                out[start:start + n] = F.linear(F.silu(gate) * up, down[e])
+                start += n
+        per_slot = torch.empty_like(out)
+        per_slot[order] = out  # back to (token, slot) order
+        return (per_slot.view(tokens, k, self.hidden).float() * topk_weights.unsqueeze(-1)).sum(dim=1)
+
+
+class Router(nn.Module):
+    """The replicated gate: logits over experts, softmax, top-k (renormalised)."""
+
+    def __init__(self, num_experts: int, hidden: int, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        _attach_loader(self.weight, _full_loader(self.weight, "router gate"))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T, k] (most probable first) and their fp32 weights [T, k]."""
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE feed-forward replacing the dense MLP in the layers `MoeConfig` marks sparse."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None
+        self.tp = tp
+        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.top_k, moe.norm_topk_prob)
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        return self.tp.all_reduce(self.experts(x, ids, weights).to(x.dtype))
