@@ -87,11 +87,23 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", *, hidden_size:
     return out
 
 
+EAGLE3_LAYOUTS = ("sglang", "vllm", "speculators")
+
+
 def build_random_draft(target_dir: str | Path, out_dir: str | Path, algorithm: str = "EAGLE", *,
-                       draft_vocab_size: int | None = None, seed: int = 0) -> Path:
+                       draft_vocab_size: int | None = None, seed: int = 0, layout: str = "sglang",
+                       architecture: str | None = None, d2t: bool = True, t2d: bool = True, lm_head: bool = True,
+                       num_layers: int = 1, hidden_size: int | None = None, norm_before_residual: bool = False,
+                       fc_bias: bool = False) -> Path:
     """Write a random (untrained) EAGLE or EAGLE3 head for the target checkpoint at
-    ``target_dir``, in the public layout. EAGLE3's draft vocabulary is the target's
-    first ``draft_vocab_size`` ids after a seeded shuffle (nonzero ``d2t`` offsets)."""
+    ``target_dir``, in a public layout. EAGLE3's draft vocabulary is the target's
+    first ``draft_vocab_size`` ids after a seeded shuffle (nonzero ``d2t`` offsets).
+
+    EAGLE3 options: ``layout`` (see `convert_eagle3_layout`), ``architecture`` (the
+    config's name, e.g. LlamaForCausalLM as the EAGLE repo writes it), no ``d2t`` /
+    ``t2d`` (full draft vocabulary), no ``lm_head`` (the target's is used),
+    ``num_layers`` decoder layers, a ``hidden_size`` other than the target's (the
+    head then has its own embedding), ``norm_before_residual``, an ``fc`` bias."""
     import torch
     from transformers import AutoConfig
 
@@ -102,16 +114,112 @@ def build_random_draft(target_dir: str | Path, out_dir: str | Path, algorithm: s
     torch.manual_seed(seed)
     h, v = cfg.hidden_size, cfg.vocab_size
     draft_vocab = None
+    options: dict[str, Any] = {}
     if algorithm == "EAGLE3":
         vd = draft_vocab_size or v
+        if not (d2t and lm_head) and vd != v:
+            raise ValueError("a head without d2t or without its own lm_head has the full vocabulary")
         draft_vocab = torch.randperm(v)[:vd].sort().values
+        dims: dict[str, Any] = {}
+        if hidden_size is not None and hidden_size != h:
+            heads = cfg.num_attention_heads
+            dims = dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, head_dim=hidden_size // heads)
+        options = dict(num_layers=num_layers, dims=dims, norm_before_residual=norm_before_residual,
+                       fc_bias=fc_bias, own_embed=bool(dims), own_head=lm_head)
+    elif (layout, architecture, d2t, t2d, lm_head, num_layers, hidden_size, norm_before_residual, fc_bias) != (
+            "sglang", None, True, True, True, 1, None, False, False):
+        raise ValueError("EAGLE heads come in one layout and shape: the EAGLE / SGLang one")
     # The embedding / head passed here are only needed to run the head, not to save it.
-    head = DraftHead(algorithm, cfg, torch.zeros(v, h), torch.zeros(v, h), draft_vocab)
+    head = DraftHead(algorithm, cfg, torch.zeros(v, h), torch.zeros(v, h), draft_vocab, **options)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.15)
-    save_draft(head, target_dir, out, aux_layer_ids(cfg.num_hidden_layers))
+                p.normal_(0.0, 1.0 if name == "embed_tokens.weight" else 0.15)
+            elif name == "fc.bias":
+                p.normal_(0.0, 0.1)
+    if algorithm == "EAGLE" or (layout == "sglang" and architecture is None and d2t and t2d):
+        save_draft(head, target_dir, out, aux_layer_ids(cfg.num_hidden_layers))
+        return out
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_draft(head, target_dir, Path(tmp), aux_layer_ids(cfg.num_hidden_layers))
+        return convert_eagle3_layout(Path(tmp), out, layout, target_dir, architecture=architecture, d2t=d2t,
+                                     t2d=t2d)
+
+
+def convert_eagle3_layout(src: str | Path, out_dir: str | Path, layout: str, target_dir: str | Path, *,
+                          architecture: str | None = None, d2t: bool = True, t2d: bool = True) -> Path:
+    """Rewrite the SGLang-layout EAGLE3 head at ``src`` (`save_draft`'s output) into
+    another public layout, same weights:
+
+      sglang       LlamaForCausalLMEagle3, ``midlayer.*``, SGLang's
+                   ``eagle_config.eagle_aux_hidden_state_layer_ids`` (outputs of layers).
+      vllm         Eagle3LlamaForCausalLM, the first layer as ``layers.0.*``, a
+                   top-level ``eagle_aux_hidden_state_layer_ids`` (inputs of layers).
+      speculators  the speculators library's Eagle3Speculator: the layer config
+                   nested in ``transformer_layer_config``, ``layers.{i}.*``, an
+                   ``embed_tokens`` (the target's copy unless the head has its own),
+                   ``speculators_config`` naming the verifier.
+
+    ``architecture`` overrides the config's name; ``d2t`` / ``t2d`` False drop them."""
+    from safetensors.torch import load_file, save_file
+
+    if layout not in EAGLE3_LAYOUTS:
+        raise ValueError(f"layout must be one of {EAGLE3_LAYOUTS}, got {layout!r}")
+    src, out = Path(src), Path(out_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    state = load_file(str(src / "model.safetensors"))
+    if not d2t:
+        if int(state["d2t"].abs().max()) != 0 or len(state["d2t"]) != target_cfg["vocab_size"]:
+            raise ValueError("only a head over the full vocabulary in target order can drop d2t")
+        del state["d2t"]
+        cfg.pop("draft_vocab_size", None)
+    if not t2d:
+        state.pop("t2d", None)
+    if layout != "sglang":
+        state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v
+                 for k, v in state.items()}
+    ids = [i + 1 for i in cfg.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]]  # as inputs of layers
+    if layout == "sglang":
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True}
+        cfg["architectures"] = [architecture or "LlamaForCausalLMEagle3"]
+    elif layout == "vllm":
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+        cfg["architectures"] = [architecture or "Eagle3LlamaForCausalLM"]
+    else:
+        if "embed_tokens.weight" not in state:  # the library stores the verifier's embedding
+            target_state: dict[str, Any] = {}
+            for f in sorted(Path(target_dir).glob("*.safetensors")):
+                target_state.update(load_file(str(f)))
+            state["embed_tokens.weight"] = target_state["model.embed_tokens.weight"]
+        layer_keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
+                      "vocab_size", "hidden_act", "num_hidden_layers", "bos_token_id", "eos_token_id",
+                      "pad_token_id")
+        layer = {k: cfg[k] for k in layer_keys if k in cfg}
+        layer.update(model_type="llama", attention_bias=False, mlp_bias=False)
+        cfg = {
+            "architectures": [architecture or "Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.1.0",
+            "transformer_layer_config": layer,
+            "draft_vocab_size": cfg.get("draft_vocab_size", target_cfg["vocab_size"]),
+            "target_hidden_size": cfg.get("target_hidden_size"),
+            "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
+                                      "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": str(target_dir), "architectures": target_cfg.get("architectures")},
+            },
+            "torch_dtype": "float32",
+        }
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return out
 
 

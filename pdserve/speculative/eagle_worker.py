@@ -84,8 +84,13 @@ class EagleWorker:
         self.draft = EagleDraftModel.load(draft_dir, self.config, target.model.embed_tokens, target.lm_head,
                                           self.device, runner.dtype)
         lay = self.config.layer
-        self.draft_pool = TokenToKVPool("draft", 1, num_slots, lay.num_kv_heads, lay.head_dim, runner.kv_dtype,
-                                        self.device)
+        logger.info("draft head: %s, %s layout, %d layer(s), hidden %d, draft vocab %d%s%s", self.algorithm,
+                    self.config.layout, self.config.num_layers, lay.hidden_size, self.config.draft_vocab_size,
+                    ", own embedding" if self.config.own_embed else "",
+                    "" if self.config.own_head or self.algorithm == "EAGLE" else ", the target's lm_head")
+        # One KV layer per draft layer, slot-indexed like the target pool.
+        self.draft_pool = TokenToKVPool("draft", self.config.num_layers, num_slots, lay.num_kv_heads, lay.head_dim,
+                                        runner.kv_dtype, self.device)
         # The target feature of every slot: what the draft extend reads (and what a
         # prefill server sends a speculative decode server).
         self.features = torch.zeros(num_slots, self.config.feature_width, dtype=runner.dtype, device=self.device)

@@ -13,6 +13,10 @@ head reads (``shared/reference/eagle.md`` §1, §6):
           ``midlayer.*`` with 2H-wide q/k/v over ``cat(input_norm(embed),
           hidden_norm(h))``; ``norm``; own ``lm_head`` over a draft vocabulary;
           ``d2t`` offsets (target id = draft id + d2t[draft id]); ``t2d``.
+          Options: fc [H, 3 H_t] for a draft narrower or wider than the
+          target (then with its own ``embed_tokens``), further plain Llama
+          layers ``layers.{i}`` (vLLM / speculators), ``norm_before_residual``,
+          no own ``lm_head`` (the target's), an ``fc`` bias.
 
 Aux layer ids follow SGLang's ``eagle_aux_hidden_state_layer_ids`` convention:
 id i = the *output* of target layer i (the residual stream entering i + 1).
@@ -59,97 +63,148 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
-def llama_layer_config(target_cfg: Any) -> Any:
-    """A Llama config with the target's layer dimensions: a draft layer is a Llama layer
-    whatever the target family (Qwen's biases and q/k norms are not part of it)."""
+def llama_layer_config(target_cfg: Any, **dims: Any) -> Any:
+    """A Llama config with the target's layer dimensions (or ``dims``: hidden_size,
+    intermediate_size, num_attention_heads, num_key_value_heads, head_dim, for a
+    draft of another width): a draft layer is a Llama layer whatever the target
+    family (Qwen's biases and q/k norms are not part of it)."""
     from transformers import LlamaConfig
 
     head_dim = getattr(target_cfg, "head_dim", None) or target_cfg.hidden_size // target_cfg.num_attention_heads
-    return LlamaConfig(
+    kw: dict[str, Any] = dict(
         hidden_size=target_cfg.hidden_size, intermediate_size=target_cfg.intermediate_size,
         num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
-        head_dim=head_dim, rms_norm_eps=target_cfg.rms_norm_eps, hidden_act=target_cfg.hidden_act,
+        head_dim=head_dim)
+    kw.update(dims)
+    return LlamaConfig(
+        **kw, rms_norm_eps=target_cfg.rms_norm_eps, hidden_act=target_cfg.hidden_act,
         max_position_embeddings=target_cfg.max_position_embeddings, vocab_size=target_cfg.vocab_size,
         rope_parameters=getattr(target_cfg, "rope_parameters", None), num_hidden_layers=1)
 
 
 class DraftHead(nn.Module):
-    """One EAGLE or EAGLE3 draft layer; parameter names are the checkpoint's."""
+    """An EAGLE or EAGLE3 draft head; parameter names are the checkpoint's (SGLang's
+    layout: the first layer is ``layers.0`` for EAGLE, ``midlayer`` for EAGLE3;
+    EAGLE3's further layers are ``layers.{i}``, plain Llama decoder layers)."""
 
     def __init__(self, algo: str, cfg: Any, embed: torch.Tensor, target_head: torch.Tensor,
-                 draft_vocab: torch.Tensor | None) -> None:
+                 draft_vocab: torch.Tensor | None, *, num_layers: int = 1, dims: dict[str, Any] | None = None,
+                 norm_before_residual: bool = False, fc_bias: bool = False, own_embed: bool = False,
+                 own_head: bool = True) -> None:
         """``cfg``: the target's transformers config (any Llama-family architecture);
-        ``embed`` / ``target_head``: the target's weights (shared, frozen, not saved)."""
+        ``embed`` / ``target_head``: the target's weights (shared, frozen, not saved).
+        EAGLE3 options: ``num_layers`` decoder layers, ``dims`` (the draft layers'
+        dimensions when they differ from the target's), ``norm_before_residual``,
+        ``fc_bias``, ``own_embed`` (an embedding of its own, saved as
+        ``embed_tokens``), ``own_head`` (else logits come from the target's head)."""
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-        cfg = llama_layer_config(cfg)
+        target_hidden = cfg.hidden_size
+        self.dims = dict(dims or {})
+        cfg = llama_layer_config(cfg, **self.dims)
         self.algo = algo
+        self.num_layers = num_layers
+        self.norm_before_residual = norm_before_residual
+        self.own_head = own_head
         h = cfg.hidden_size
-        self.embed = embed.detach()
+        if algo == "EAGLE" and (num_layers != 1 or self.dims or norm_before_residual or own_embed or not own_head):
+            raise ValueError("the EAGLE-1 head has one layer of the target's width and shares its embedding / head")
+        if own_embed:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        else:
+            self.embed = embed.detach()
         self.target_head = target_head.detach()
         self.rotary = LlamaRotaryEmbedding(cfg)
-        layer = nn.Module()
+
+        def decoder_layer(in_dim: int) -> nn.Module:
+            layer = nn.Module()
+            layer.self_attn = DraftAttention(cfg, in_dim)
+            layer.post_attention_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+            layer.mlp = LlamaMLP(cfg)
+            return layer
+
         if algo == "EAGLE":
             self.fc = nn.Linear(2 * h, h, bias=True)
-            layer.self_attn = DraftAttention(cfg, h)
-        else:
-            self.fc = nn.Linear(3 * h, h, bias=False)
-            layer.input_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
-            layer.hidden_norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
-            layer.self_attn = DraftAttention(cfg, 2 * h)
-            self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
-            assert draft_vocab is not None
-            self.register_buffer("draft_vocab", draft_vocab, persistent=False)
+            self.layers = nn.ModuleList([decoder_layer(h)])
+            return
+        self.fc = nn.Linear(3 * target_hidden, h, bias=fc_bias)
+        self.midlayer = decoder_layer(2 * h)
+        self.midlayer.input_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        self.midlayer.hidden_norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        if num_layers > 1:  # keys "1", "2", ...: checkpoint names layers.{i}
+            extra = {}
+            for i in range(1, num_layers):
+                layer = decoder_layer(h)
+                layer.input_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+                extra[str(i)] = layer
+            self.layers = nn.ModuleDict(extra)
+        self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
+        assert draft_vocab is not None
+        self.register_buffer("draft_vocab", draft_vocab, persistent=False)
+        if own_head:
             self.lm_head = nn.Linear(h, len(draft_vocab), bias=False)
-        layer.post_attention_layernorm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
-        layer.mlp = LlamaMLP(cfg)
-        if algo == "EAGLE":
-            self.layers = nn.ModuleList([layer])
-        else:
-            self.midlayer = layer
+        elif len(draft_vocab) != cfg.vocab_size or h != target_hidden:
+            raise ValueError("a head without its own lm_head uses the target's: full vocabulary, target width")
 
     @property
     def layer(self) -> nn.Module:
+        """The first layer."""
         return self.layers[0] if self.algo == "EAGLE" else self.midlayer
 
+    @property
+    def all_layers(self) -> list[nn.Module]:
+        if self.algo == "EAGLE" or self.num_layers == 1:
+            return [self.layer]
+        return [self.midlayer] + [self.layers[str(i)] for i in range(1, self.num_layers)]
+
+    def embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens) if hasattr(self, "embed_tokens") else F.embedding(tokens, self.embed)
+
     def step_input(self, tokens: torch.Tensor, hidden: torch.Tensor, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention input, residual) of one draft step.
+        """(attention input, residual) of the first layer in one draft step.
 
         ``hidden`` is a target feature at the first step (post-norm [.., H] for
         EAGLE, 3 aux layers [.., 3H] for EAGLE3) and the head's own previous
         output afterwards.  EAGLE3 applies ``fc`` to target features only.
         """
-        emb = F.embedding(tokens, self.embed)
+        emb = self.embedding(tokens)
         if self.algo == "EAGLE":
             h0 = self.fc(torch.cat([emb, hidden], dim=-1))
             return h0, h0
         if first:
             hidden = self.fc(hidden)
         lay = self.midlayer
-        return torch.cat([lay.input_layernorm(emb), lay.hidden_norm(hidden)], dim=-1), hidden
+        normed = lay.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return torch.cat([lay.input_layernorm(emb), normed], dim=-1), residual
 
-    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor, layer: nn.Module | None = None) -> torch.Tensor:
+        layer = layer if layer is not None else self.layer
         h = residual + attn_out
-        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """EAGLE: target-vocab logits via the target head; EAGLE3: draft-vocab logits."""
+        """EAGLE: target-vocab logits via the target head; EAGLE3: draft-vocab logits
+        (target-vocab ones through the target's head when it has no head of its own)."""
         if self.algo == "EAGLE":
             return h @ self.target_head.T
+        if not self.own_head:
+            return self.norm(h) @ self.target_head.T
         return self.lm_head(self.norm(h))
 
     def ttt(self, tokens: torch.Tensor, feats: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Draft outputs (pre-head hidden) of TTT steps 0..depth-1 over [B, T] rows.
 
         Step j, index t: token ``tokens[:, t + j]`` (= x_{t+j+1}), position t + j,
-        keys = step-0 keys at indices <= t plus steps 1..j keys at index t.
-        Indices past the row end see padding tokens and are masked in the loss.
+        keys (in every layer) = step-0 keys at indices <= t plus steps 1..j keys
+        at index t. Indices past the row end see padding tokens and are masked in
+        the loss.
         """
         b, t = tokens.shape
-        attn = self.layer.self_attn
-        keys_k: list[torch.Tensor] = []
-        keys_v: list[torch.Tensor] = []
+        layers = self.all_layers
+        keys_k: list[list[torch.Tensor]] = [[] for _ in layers]
+        keys_v: list[list[torch.Tensor]] = [[] for _ in layers]
         causal = torch.ones(t, t, dtype=torch.bool).tril()
         eye = torch.eye(t, dtype=torch.bool)
         outs: list[torch.Tensor] = []
@@ -158,12 +213,17 @@ class DraftHead(nn.Module):
             tok_j = F.pad(tokens[:, j:], (0, j), value=0)
             pos = (torch.arange(t) + j).unsqueeze(0).expand(b, t)
             cos, sin = self.rotary(feats, pos)
-            x, residual = self.step_input(tok_j, hidden, first=(j == 0))
-            q, k, v = attn.qkv(x, cos, sin)
-            keys_k.append(k)
-            keys_v.append(v)
             mask = torch.cat([causal] + [eye] * j, dim=1)
-            out = self.finish(attn.attend(q, torch.cat(keys_k, 2), torch.cat(keys_v, 2), mask), residual)
+            x, residual = self.step_input(tok_j, hidden, first=(j == 0))
+            out = residual
+            for i, layer in enumerate(layers):
+                if i > 0:
+                    x, residual = layer.input_layernorm(out), out
+                q, k, v = layer.self_attn.qkv(x, cos, sin)
+                keys_k[i].append(k)
+                keys_v[i].append(v)
+                attn = layer.self_attn.attend(q, torch.cat(keys_k[i], 2), torch.cat(keys_v[i], 2), mask)
+                out = self.finish(attn, residual, layer)
             outs.append(out)
             hidden = out
         return outs
@@ -199,7 +259,10 @@ def target_pass(target: nn.Module, ids: torch.Tensor, aux_ids: list[int]) -> dic
 
 
 def save_draft(head: DraftHead, target_dir: Path, out: Path, aux_ids: list[int]) -> dict[str, torch.Tensor]:
-    """Write ``head`` as a public-layout checkpoint (config.json + model.safetensors); returns the tensors."""
+    """Write ``head`` as a public-layout checkpoint (config.json + model.safetensors); returns the tensors.
+    The layout is SGLang's (EAGLE3: ``midlayer.*``, further layers ``layers.{i}.*`` as
+    vLLM names them, ``d2t`` / ``t2d``); ``pdserve.testing.convert_eagle3_layout``
+    rewrites an EAGLE3 head into the other public layouts."""
     from safetensors.torch import save_file
 
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
@@ -207,7 +270,9 @@ def save_draft(head: DraftHead, target_dir: Path, out: Path, aux_ids: list[int])
             "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
             "vocab_size", "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id")
     draft_cfg: dict[str, Any] = {k: cfg[k] for k in keep if k in cfg}
-    draft_cfg.update(num_hidden_layers=1, tie_word_embeddings=False, torch_dtype="float32", model_type="llama")
+    draft_cfg.update(head.dims)  # a draft of another width than the target
+    draft_cfg.update(num_hidden_layers=head.num_layers, tie_word_embeddings=False, torch_dtype="float32",
+                     model_type="llama")
     state = {k: v.detach().contiguous() for k, v in head.state_dict().items() if not k.startswith("rotary")}
     if head.algo == "EAGLE":
         draft_cfg.update(architectures=["LlamaForCausalLMEagle"], bias=True)
@@ -221,6 +286,10 @@ def save_draft(head: DraftHead, target_dir: Path, out: Path, aux_ids: list[int])
             architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=vd, target_hidden_size=cfg["hidden_size"],
             eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids), "use_aux_hidden_state": True},
         )
+        if head.fc.bias is not None:
+            draft_cfg["bias"] = True  # SGLang builds fc's bias from this
+        if head.norm_before_residual:
+            draft_cfg["norm_before_residual"] = True
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(draft_cfg, indent=2) + "\n")

@@ -65,7 +65,8 @@ class DraftRun:
         self.model = EagleDraftModel.load(draft_dir, self.cfg, runner.model.model.embed_tokens,
                                           runner.model.lm_head, runner.device, torch.float32)
         lay = self.cfg.layer
-        self.pool = TokenToKVPool("draft", 1, 64, lay.num_kv_heads, lay.head_dim, torch.float32, runner.device)
+        self.pool = TokenToKVPool("draft", self.cfg.num_layers, 64, lay.num_kv_heads, lay.head_dim, torch.float32,
+                                  runner.device)
         self.table = ReqToTokenPool(1, 64, runner.device)
         self.row = self.table.alloc()
         self.table.table[self.row, :63] = torch.arange(1, 64)

@@ -271,44 +271,48 @@ def test_incremental_kv_equals_recomputation(make_engine, target, drafts):
     for algo in ("EAGLE", "EAGLE3"):
         engine = make_engine(target, **spec(drafts, algo, (3, 2, 6)), page_size=4)
         fresh = make_engine(target, **spec(drafts, algo, (3, 2, 6)), page_size=4)
-        sched, ref_sched = engine._scheduler, fresh._scheduler
-        reqs = [samples_from_message(engine.builder.group(p, SamplingParams.from_dict(GREEDY), False, 0))[0]
-                for p in ps]
-        # Trees holding the true continuation on a later branch: every round accepts
-        # drafts whose KV must be moved into place.
-        sched.spec.propose = oracle_propose(sched.spec, {r.rid: o["output_ids"] for r, o in zip(reqs, ref)}, 3)
-        for r in reqs:
-            sched.add(r)
-        rounds = 0
-        while sched.has_work and rounds < 6:
-            out = sched.step()
-            if not sched.running or any(r.kv_len == len(r.prompt_ids) for r in out.advanced):
-                continue  # a prefill step
-            rounds += 1
-            for r in sched.running:
-                probe = samples_from_message(
-                    fresh.builder.group(r.fill_ids[: r.kv_len], SamplingParams.from_dict(GREEDY), False, 0))[0]
-                ref_sched.add(probe)
-                ref_sched.step()
-                assert probe.output_ids == [r.output_ids[-1]]  # the same next token
-                a = sched.kv.req_table.table[r.row, : r.kv_len]
-                b = ref_sched.kv.req_table.table[probe.row, : r.kv_len]
-                for layer in range(len(sched.kv.kv_pool.k)):
-                    torch.testing.assert_close(sched.kv.kv_pool.k[layer][a], ref_sched.kv.kv_pool.k[layer][b],
-                                               atol=1e-4, rtol=1e-4)
-                    torch.testing.assert_close(sched.kv.kv_pool.v[layer][a], ref_sched.kv.kv_pool.v[layer][b],
-                                               atol=1e-4, rtol=1e-4)
-                assert r.draft_len == r.kv_len
-                torch.testing.assert_close(sched.spec.draft_pool.k[0][a], ref_sched.spec.draft_pool.k[0][b],
-                                           atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(sched.spec.draft_pool.v[0][a], ref_sched.spec.draft_pool.v[0][b],
-                                           atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(r.spec.hidden, probe.spec.hidden, atol=1e-4, rtol=1e-4)
-                assert r.spec.topk_index.tolist() == probe.spec.topk_index.tolist()
-                ref_sched.abort(probe.rid)
-        assert rounds >= 3
-        for r in list(sched.running) + list(sched.waiting):
-            sched.abort(r.rid)
+        assert assert_state_equals_fresh_prefill(engine, fresh, ps, [r["output_ids"] for r in ref]) >= 3
+
+
+def assert_state_equals_fresh_prefill(engine, fresh, ps: list[list[int]], truth: list[list[int]],
+                                      max_rounds: int = 6) -> int:
+    """Step ``engine``'s scheduler through verify rounds whose trees hold the true
+    continuation (``truth``, per prompt) on a later branch, so every round accepts drafts
+    whose KV must be moved into place; after each round compare the target KV, every
+    layer of the draft KV and the carried draft state with a prefill of the same tokens
+    on ``fresh`` (same configuration). Returns the number of rounds compared."""
+    sched, ref_sched = engine._scheduler, fresh._scheduler
+    reqs = [samples_from_message(engine.builder.group(p, SamplingParams.from_dict(GREEDY), False, 0))[0]
+            for p in ps]
+    sched.spec.propose = oracle_propose(sched.spec, {r.rid: t for r, t in zip(reqs, truth)}, 3)
+    for r in reqs:
+        sched.add(r)
+    rounds = 0
+    while sched.has_work and rounds < max_rounds:
+        out = sched.step()
+        if not sched.running or any(r.kv_len == len(r.prompt_ids) for r in out.advanced):
+            continue  # a prefill step
+        rounds += 1
+        for r in sched.running:
+            probe = samples_from_message(
+                fresh.builder.group(r.fill_ids[: r.kv_len], SamplingParams.from_dict(GREEDY), False, 0))[0]
+            ref_sched.add(probe)
+            ref_sched.step()
+            assert probe.output_ids == [r.output_ids[-1]]  # the same next token
+            a = sched.kv.req_table.table[r.row, : r.kv_len]
+            b = ref_sched.kv.req_table.table[probe.row, : r.kv_len]
+            pools = [(sched.kv.kv_pool, ref_sched.kv.kv_pool), (sched.spec.draft_pool, ref_sched.spec.draft_pool)]
+            for mine, theirs in pools:
+                for layer in range(len(mine.k)):
+                    torch.testing.assert_close(mine.k[layer][a], theirs.k[layer][b], atol=1e-4, rtol=1e-4)
+                    torch.testing.assert_close(mine.v[layer][a], theirs.v[layer][b], atol=1e-4, rtol=1e-4)
+            assert r.draft_len == r.kv_len
+            torch.testing.assert_close(r.spec.hidden, probe.spec.hidden, atol=1e-4, rtol=1e-4)
+            assert r.spec.topk_index.tolist() == probe.spec.topk_index.tolist()
+            ref_sched.abort(probe.rid)
+    for r in list(sched.running) + list(sched.waiting):
+        sched.abort(r.rid)
+    return rounds
 
 
 def test_bad_speculative_flags_are_refused(target, drafts):
