@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
+from pdserve.chat_templates import BUILTIN_CHAT_TEMPLATES
+
 
 class ConfigError(ValueError):
     """An invalid server option; the message names the flag."""
@@ -30,6 +32,9 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("mooncake", "nixl")
+# Fields that hold a filesystem path: any os.PathLike is accepted and kept as str.
+PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "disaggregation_secret_file",
+               "chat_template")
 
 
 def flag(name: str) -> str:
@@ -51,8 +56,9 @@ class ServerArgs:
     chunked_prefill_size: int = 8192
     page_size: int = 1
     kv_cache_dtype: str = "auto"
-    # auto: the checkpoint's safetensors; dummy: random weights at the config's shapes
-    # (benchmarks without a checkpoint, as SGLang's and vLLM's --load-format dummy).
+    # auto: the checkpoint's weights (safetensors, else pytorch_model.bin); dummy: random
+    # weights at the config's shapes (benchmarks without a checkpoint, as SGLang's and
+    # vLLM's --load-format dummy).
     load_format: str = "auto"
     # auto: torch_native on CPU, triton on CUDA (see resolved_attention_backend()).
     attention_backend: str = "auto"
@@ -107,16 +113,36 @@ class ServerArgs:
     api_key: str | None = None
     # Protects the admin routes (/abort_request, /flush_cache) when given.
     admin_api_key: str | None = None
-    served_model_name: str | None = None
+    # The model's names (vLLM's repeatable flag): the first is the one responses and
+    # /v1/models report; requests may name any of them, or "default". Empty: the model
+    # path (the demo: "pdserve-demo").
+    served_model_name: tuple[str, ...] = ()
     # Bodies above this are refused with 413 before they are parsed.
     max_request_bytes: int = 8 << 20
     # A client must deliver its request headers and body within this many seconds.
     request_read_timeout: float = 10.0
     # A request's chat_template_kwargs may carry its own "chat_template" (Jinja run by the server).
     allow_client_chat_template: bool = False
+    # The chat template of /v1/chat/completions instead of the tokenizer's: a Jinja file
+    # or a built-in name (pdserve/chat_templates.py).
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        self._normalise()
         self._validate()
+
+    def _normalise(self) -> None:
+        """Paths may be given as any os.PathLike (pathlib.Path...) and sequences as lists;
+        the frozen config keeps plain str and tuples. A lone served name may be a str."""
+        for name in PATH_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))  # bytes paths stay bytes: refused below
+        if isinstance(self.served_model_name, str):
+            object.__setattr__(self, "served_model_name", (self.served_model_name,))
+        for f in fields(self):
+            if str(f.type) == "tuple[str, ...]" and isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
 
     # ---- validation -------------------------------------------------------------
     def _validate(self) -> None:
@@ -174,6 +200,13 @@ class ServerArgs:
             raise bad("model_path", f"{self.model_path!r} is not a directory")
         if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
             raise bad("tokenizer_path", f"{self.tokenizer_path!r} is not a directory")
+        for name in self.served_model_name:
+            if not isinstance(name, str) or not name.strip():
+                raise bad("served_model_name", f"names must be non-empty strings, got {name!r}")
+        if self.chat_template is not None and self.chat_template not in BUILTIN_CHAT_TEMPLATES \
+                and not os.path.isfile(self.chat_template):
+            raise bad("chat_template", f"{self.chat_template!r} is neither a file nor a built-in template "
+                      f"(built-in: {', '.join(sorted(BUILTIN_CHAT_TEMPLATES))})")
         self._validate_speculative(bad)
         self._validate_disaggregation(bad)
 
@@ -307,6 +340,13 @@ class ServerArgs:
     def use_cuda_graph(self) -> bool:
         return self.enable_cuda_graph and not self.disable_cuda_graph
 
+    def served_names(self) -> tuple[str, ...]:
+        """The model's names, the reported one first: --served-model-name, else the model
+        path (the embedded demo model: "pdserve-demo")."""
+        if self.served_model_name:
+            return self.served_model_name
+        return (self.model_path,) if self.model_path is not None else ("pdserve-demo",)
+
     def replace(self, **changes: Any) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
 
@@ -326,6 +366,9 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag(f.name), action="store_true", default=default)
                 continue
+            if f.name in _REPEATABLE:  # `--flag a b` and `--flag a --flag b` both give (a, b)
+                parser.add_argument(flag(f.name), nargs="+", action="extend", default=None, metavar="VALUE")
+                continue
             if str(f.type) == "tuple[str, ...]":
                 parser.add_argument(flag(f.name), nargs="*", default=default, metavar="VALUE")
                 continue
@@ -340,13 +383,16 @@ class ServerArgs:
     def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
         parser = _RaisingParser(prog="pdserve", description="pdserve server options", allow_abbrev=False)
         cls.add_cli_args(parser)
-        ns = parser.parse_args(list(argv) if argv is not None else None)
+        # Paths may come as os.PathLike (argparse itself only handles str).
+        ns = parser.parse_args([os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv]
+                               if argv is not None else None)
         return cls.from_namespace(ns)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "ServerArgs":
         names = {f.name for f in fields(cls)}
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items() if k in names})
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items()
+                      if k in names and not (k in _REPEATABLE and v is None)})
 
 
 def _int_or_none(text: str) -> int | None:
@@ -361,6 +407,8 @@ _FIELD_PARSERS = {
     "int": int, "float": float, "str": str,
     "int | None": _int_or_none, "float | None": _float_or_none, "str | None": str,
 }
+# Flags that may be repeated (or take several values), as vLLM's --served-model-name.
+_REPEATABLE = frozenset({"served_model_name"})
 _FIELD_CHOICES = {
     "dtype": DTYPES, "kv_cache_dtype": KV_CACHE_DTYPES, "device": DEVICES, "load_format": LOAD_FORMATS,
     "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
+import os
 import weakref
 from pathlib import Path
 from typing import Any, Sequence
@@ -55,7 +56,7 @@ def check_tp_layout(model_dir: Path, tp_size: int) -> None:
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         self.model_dir = resolve_model_dir(self.args)
         self.tokenizer_dir = Path(self.args.tokenizer_path) if self.args.tokenizer_path else self.model_dir

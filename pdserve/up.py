@@ -70,7 +70,7 @@ def parse_args(argv: Sequence[str]) -> UpArgs:
                     help="required from clients by the router and by every server (the router sends it on)")
     ap.add_argument("--admin-api-key", default=None,
                     help="required on /abort_request and /flush_cache, of the router and of every server")
-    ns, rest = ap.parse_known_args(list(argv))
+    ns, rest = ap.parse_known_args([os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv])
     if ns.prefill < 1:
         ap.error(f"--prefill: must be >= 1, got {ns.prefill}")
     if ns.decode < 1:
@@ -94,11 +94,14 @@ def parse_args(argv: Sequence[str]) -> UpArgs:
                   ns.admin_api_key, _router_limits(rest))
 
 
-ROUTER_LIMITS = ("--max-n", "--max-request-bytes")  # server flags the router checks as well
+# Server flags the router takes as well: the limits it checks too, and the log level (one
+# --log-level sets every process's).
+ROUTER_LIMITS = ("--max-n", "--max-request-bytes", "--log-level")
 
 
 def _router_limits(server_args: Sequence[str]) -> tuple[str, ...]:
-    """The servers' limits the router must apply too (else it refuses what they accept)."""
+    """The servers' limits the router must apply too (else it refuses what they accept),
+    and their log level."""
     ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for name in ROUTER_LIMITS:
         ap.add_argument(name)
@@ -248,17 +251,20 @@ class Deployment:
                 raise RuntimeError(f"{c.name} ({' '.join(c.proc.args)}) exited with status {rc}")  # type: ignore
 
     def stop(self) -> None:
-        """Router first (no new requests), then the servers; SIGKILL after 20 s."""
-        for c in reversed(self.children):
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
+        """Router first (no new requests), then, once it is gone, the servers (else its
+        health probes would report the servers going away as failures); SIGKILL after 20 s."""
         deadline = time.monotonic() + 20
-        for c in self.children:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait(5)
+        router = [c for c in self.children if c.name == "router"]
+        for group in (router, [c for c in self.children if c.name != "router"]):
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            for c in group:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait(5)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

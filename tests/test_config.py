@@ -189,3 +189,84 @@ def test_security_flags():
                               ({"request_read_timeout": 0.0}, "--request-read-timeout")):
         with pytest.raises(ConfigError, match=flag_name):
             ServerArgs(**kwargs)
+
+
+# ---- paths, served names, chat template (issue 25) -----------------------------------------
+def _path_tree(tmp_path):
+    model, tok, draft = tmp_path / "model", tmp_path / "tok", tmp_path / "draft"
+    for d in (model, tok, draft):
+        d.mkdir()
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    return model, tok, draft, secret, template
+
+
+def test_path_objects_accepted_and_kept_as_str(tmp_path):
+    """Any os.PathLike wherever a path is taken; the frozen config holds str."""
+    model, tok, draft, secret, template = _path_tree(tmp_path)
+    args = ServerArgs(model_path=model, tokenizer_path=tok, speculative_algorithm="EAGLE",
+                      speculative_draft_model_path=draft, disaggregation_secret_file=secret, chat_template=template)
+    for name, want in (("model_path", model), ("tokenizer_path", tok), ("speculative_draft_model_path", draft),
+                       ("disaggregation_secret_file", secret), ("chat_template", template)):
+        value = getattr(args, name)
+        assert type(value) is str and value == str(want), name
+    same = ServerArgs(model_path=str(model), tokenizer_path=str(tok), speculative_algorithm="EAGLE",
+                      speculative_draft_model_path=str(draft), disaggregation_secret_file=str(secret),
+                      chat_template=str(template))
+    assert args == same
+    assert args.control_secret() == b"s" * 32
+    # replace() goes through the same normalisation
+    assert args.replace(model_path=tok).model_path == str(tok)
+    # A path that does not exist is still refused, naming the flag.
+    with pytest.raises(ConfigError, match="--model-path"):
+        ServerArgs(model_path=tmp_path / "missing")
+
+
+def test_from_cli_accepts_path_objects(tmp_path):
+    model, tok, draft, secret, template = _path_tree(tmp_path)
+    argv = ["--model-path", model, "--tokenizer-path", tok, "--speculative-algorithm", "EAGLE",
+            "--speculative-draft-model-path", draft, "--disaggregation-secret-file", secret,
+            "--chat-template", template]
+    args = ServerArgs.from_cli(argv)
+    assert args == ServerArgs.from_cli([str(a) for a in argv])
+    assert args.model_path == str(model) and args.chat_template == str(template)
+
+
+def test_served_model_name_is_repeatable():
+    """vLLM's spelling (several values after one flag) and a repeated flag both work."""
+    args = ServerArgs.from_cli(["--served-model-name", "a", "b", "--served-model-name", "c"])
+    assert args.served_model_name == ("a", "b", "c")
+    assert args.served_names() == ("a", "b", "c")
+    assert ServerArgs.from_cli(["--served-model-name", "only"]).served_names() == ("only",)
+    # Engine(served_model_name="x") and lists are accepted too.
+    assert ServerArgs(served_model_name="x").served_model_name == ("x",)
+    assert ServerArgs(served_model_name=["x", "y"]).served_model_name == ("x", "y")
+    with pytest.raises(ConfigError, match="--served-model-name"):
+        ServerArgs(served_model_name=("a", " "))
+    with pytest.raises(ConfigError, match="--served-model-name"):
+        ServerArgs.from_cli(["--served-model-name"])
+
+
+def test_served_names_default_to_the_model_path(tmp_path):
+    assert ServerArgs().served_names() == ("pdserve-demo",)
+    assert ServerArgs(model_path=tmp_path).served_names() == (str(tmp_path),)
+    assert ServerArgs(model_path=tmp_path, served_model_name=("m",)).served_names() == ("m",)
+
+
+def test_chat_template_file_or_builtin_name(tmp_path):
+    from pdserve.chat_templates import BUILTIN_CHAT_TEMPLATES
+
+    for name in ("chatml", "llama-3-instruct", "llama-3", "llama-2-chat", "mistral"):
+        assert name in BUILTIN_CHAT_TEMPLATES
+        assert ServerArgs.from_cli(["--chat-template", name]).chat_template == name
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0]['content'] }}")
+    assert ServerArgs.from_cli(["--chat-template", str(f)]).chat_template == str(f)
+    with pytest.raises(ConfigError) as exc:
+        ServerArgs.from_cli(["--chat-template", str(tmp_path / "nope.jinja")])
+    msg = str(exc.value)
+    assert msg.startswith("--chat-template:") and "nope.jinja" in msg and "chatml" in msg
+    with pytest.raises(ConfigError, match="--chat-template"):
+        ServerArgs(chat_template=str(tmp_path))  # a directory is not a template

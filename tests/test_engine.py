@@ -184,3 +184,18 @@ def test_n_samples_finishing_apart_under_memory_pressure(make_engine, llama_dir,
         outs = engine.generate(input_ids=prompts, sampling_params=dict(params, seed=seed))
         assert len(outs) == 6
         assert all(o["meta_info"]["finish_reason"]["type"] in ("stop", "length") for o in outs)
+
+
+def test_engine_accepts_path_objects(make_engine):
+    """`Engine(model_path=pdserve.assets.path("demo"))`, as the issue tried it: a Path
+    (any os.PathLike) wherever a path is taken, same answers as the str spelling."""
+    from pdserve import Engine, assets
+
+    demo = assets.path("demo")
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with Engine(model_path=demo, tokenizer_path=demo, max_total_tokens=1024) as engine:
+        assert engine.args.model_path == str(demo) and engine.args.tokenizer_path == str(demo)
+        out = engine.generate("Repeat: abc", params)
+    assert out["meta_info"]["completion_tokens"] == 6
+    assert out["output_ids"] == make_engine(str(demo), max_total_tokens=1024).generate("Repeat: abc", params)[
+        "output_ids"]

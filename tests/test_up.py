@@ -13,6 +13,7 @@ import openai
 import psutil
 import pytest
 
+from tests.router.test_pd_names_and_logs import GLOG_LINE
 from tests.server.conftest import free_port
 from tests.waiting import wait_until
 
@@ -75,10 +76,19 @@ def test_up_serves_chat_and_ctrl_c_stops_everything(tmp_path):
         out = client.chat.completions.create(model="pdserve-demo", max_tokens=16, temperature=0,
                                              messages=[{"role": "user", "content": "Repeat: abcdefgh"}])
         assert out.choices[0].message.content == "abcdefgh"
+        # SGLang's documented model name works through the router too.
+        out = client.chat.completions.create(model="default", max_tokens=16, temperature=0,
+                                             messages=[{"role": "user", "content": "Repeat: xyz"}])
+        assert out.choices[0].message.content == "xyz" and out.model == "pdserve-demo"
         proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to it
         assert proc.wait(60) == 0
         assert "pdserve up: stopping" in "".join(lines)
         _wait_all_gone(children, 20)
+        # A normal run at the default log level reads as one: no Mooncake glog lines (its
+        # start prints an `E` line), no WARNING, one ready line per process.
+        said = "".join(lines) + (tmp_path / "stderr").read_text()
+        assert not GLOG_LINE.search(said) and "WARNING" not in said and "Traceback" not in said, said
+        assert len([x for x in said.splitlines() if "ready on http://" in x]) == 3, said  # 2 servers + router
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -9,11 +9,20 @@ published.
 Mooncake's TCP transport fails a batch of more than ~2048 entries ("TCP lane
 queue-full") and can poison the peer for a while, so batches are split at
 ``MAX_BATCH_ENTRIES``; callers coalesce contiguous pages before that.
+
+Mooncake logs through glog, to stderr, at its own level: every normal start prints a
+dozen INFO / WARNING lines and an ERROR ("Local segment descriptor not found") that
+mean nothing is wrong. Its level follows the server's --log-level instead
+(`mooncake_log_level`): everything at `debug`; otherwise its errors only, and none
+during `initialize` (where that line comes from; a failed initialize is reported by
+pdserve with its return code). An MC_LOG_LEVEL the user set wins.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -21,6 +30,11 @@ from typing import Protocol, Sequence
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_ENTRIES = 1024
+
+# glog severities (FLAGS_minloglevel: messages below it are dropped).
+GLOG_INFO, GLOG_WARNING, GLOG_ERROR, GLOG_FATAL = 0, 1, 2, 3
+# glog's FLAGS_minloglevel (gflags' `fLI` namespace), in the library that links glog.
+_GLOG_MINLOGLEVEL_SYMBOL = "_ZN3fLI17FLAGS_minloglevelE"
 
 
 class TransferError(RuntimeError):
@@ -57,21 +71,59 @@ def split_batch(batch: WriteBatch, cap: int = MAX_BATCH_ENTRIES) -> list[WriteBa
             for i in range(0, len(batch.src), cap)]
 
 
-class MooncakeTransfer:
-    """Mooncake TransferEngine; ``device`` = an IB device name for RDMA, "" for TCP."""
+def mooncake_log_level(log_level: str) -> int:
+    """The glog threshold for Mooncake at a server --log-level: all of it at debug, its
+    errors otherwise (its INFO / WARNING lines describe a normal start)."""
+    return GLOG_INFO if log_level == "debug" else GLOG_ERROR
 
-    def __init__(self, host: str, device: str = "") -> None:
+
+def _glog_threshold(module_file: str | None) -> ctypes.c_int | None:
+    """glog's FLAGS_minloglevel as Mooncake's engine library sees it (None if that library
+    does not export it: then only MC_LOG_LEVEL, read when the library loads, applies)."""
+    if not module_file:
+        return None
+    try:
+        return ctypes.c_int.in_dll(ctypes.CDLL(module_file), _GLOG_MINLOGLEVEL_SYMBOL)
+    except (OSError, ValueError):
+        return None
+
+
+class MooncakeTransfer:
+    """Mooncake TransferEngine; ``device`` = an IB device name for RDMA, "" for TCP.
+    ``log_level`` (the server's --log-level) sets how much of Mooncake's log shows."""
+
+    def __init__(self, host: str, device: str = "", log_level: str = "info") -> None:
+        level = mooncake_log_level(log_level)
+        user_level = "MC_LOG_LEVEL" in os.environ
+        if not user_level:
+            # Read when the library loads (its first import). Set for that moment only: left
+            # in the environment, it would pass for the user's in the processes this one starts.
+            os.environ["MC_LOG_LEVEL"] = "INFO" if level == GLOG_INFO else "ERROR"
         try:
+            import mooncake.engine as _mooncake
             from mooncake.engine import TransferEngine as _Engine
         except ImportError as exc:  # the wheel or libibverbs1 is missing
             raise TransferError(
                 "--disaggregation-transfer-backend mooncake needs the `mooncake-transfer-engine` package "
                 "(`mooncake-transfer-engine-non-cuda` on CPU) and Debian's libibverbs1: " + str(exc)) from None
+        finally:
+            if not user_level:
+                os.environ.pop("MC_LOG_LEVEL", None)
+        threshold = None if user_level else _glog_threshold(getattr(_mooncake, "__file__", None))
         self._engine = _Engine()
         protocol = "rdma" if device else "tcp"
-        rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        if threshold is not None:
+            # initialize's own lines (its "Local segment descriptor not found" ERROR included)
+            # describe a normal start: shown only at debug.
+            threshold.value = GLOG_INFO if level == GLOG_INFO else GLOG_FATAL
+        try:
+            rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+        finally:
+            if threshold is not None:
+                threshold.value = level
         if rc != 0:
-            raise TransferError(f"Mooncake initialize({host!r}, {protocol}, {device!r}) failed with {rc}")
+            hint = "" if level == GLOG_INFO else " (--log-level debug shows Mooncake's own messages)"
+            raise TransferError(f"Mooncake initialize({host!r}, {protocol}, {device!r}) failed with {rc}{hint}")
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: set[tuple[int, int]] = set()
         self._lock = threading.Lock()

@@ -1,4 +1,12 @@
-"""Hugging Face safetensors loading with a strict name/shape check.
+"""Hugging Face checkpoint loading with a strict name/shape check.
+
+Checkpoints are safetensors (``*.safetensors``, sharded with
+``model.safetensors.index.json``) or, when a directory has none, PyTorch's
+``pytorch_model.bin`` (sharded with ``pytorch_model.bin.index.json``), which many
+public EAGLE heads ship. Those are pickles: they are read with
+``torch.load(weights_only=True, mmap=True)``, which rebuilds tensors and plain
+containers only and refuses any other object (a pickle can run code when loaded), so
+no code from a checkpoint ever runs.
 
 `build_model` is how the engine gets its weights: the module is constructed on the
 meta device (no storage), given uninitialised storage on the target device in the
@@ -11,10 +19,13 @@ the pages of the one shard open (memory-mapped: file-backed, reclaimable).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import pickle
+import re
 import zlib
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -30,24 +41,99 @@ class WeightLoadError(ValueError):
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's shard files: safetensors when the directory has them, else
+    PyTorch's pytorch_model.bin (each sharded through its index or not)."""
+    model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_dir / n for n in names]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise WeightLoadError(f"{index}: shard files missing: {', '.join(missing)}")
-        return files
+        return _indexed_shards(index)
     files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"{model_dir}: no *.safetensors files (only safetensors checkpoints "
-                              "are supported)")
+    if files:
+        return files
+    index = model_dir / "pytorch_model.bin.index.json"
+    if index.is_file():
+        return _indexed_shards(index)
+    if (model_dir / "pytorch_model.bin").is_file():
+        return [model_dir / "pytorch_model.bin"]
+    raise WeightLoadError(f"{model_dir}: no checkpoint: expected *.safetensors (sharded: with "
+                          "model.safetensors.index.json) or pytorch_model.bin (sharded: with "
+                          "pytorch_model.bin.index.json)")
+
+
+def _indexed_shards(index: Path) -> list[Path]:
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise WeightLoadError(f"{index}: not a checkpoint index ({type(exc).__name__}: {exc})") from None
+    outside = [n for n in names if not isinstance(n, str) or Path(n).name != n]
+    if outside:
+        raise WeightLoadError(f"{index}: shard names must be files of the checkpoint directory, got {outside[:3]}")
+    files = [index.parent / n for n in names]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise WeightLoadError(f"{index}: shard files missing: {', '.join(missing)}")
     return files
+
+
+class _TorchShard:
+    """A pytorch_model*.bin shard with safe_open's interface (keys, get_tensor)."""
+
+    def __init__(self, path: Path) -> None:
+        self.state: dict[str, torch.Tensor] | None = load_torch_checkpoint(path)
+
+    def keys(self) -> list[str]:
+        assert self.state is not None
+        return list(self.state)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        assert self.state is not None
+        return self.state[name]
+
+
+@contextlib.contextmanager
+def open_shard(path: Path) -> Iterator[Any]:
+    """One shard open for reading: `keys()` and `get_tensor(name)`. Safetensors and
+    memory-mapped pickles both read a tensor's bytes only when it is used."""
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+        return
+    shard = _TorchShard(path)
+    try:
+        yield shard
+    finally:
+        shard.state = None  # unmaps the file once its tensors are dropped
+
+
+def load_torch_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """A PyTorch checkpoint file's {name: tensor}, unpickled with weights_only (tensors
+    and plain containers only: a pickle naming any other class or function is refused,
+    naming the file) and memory-mapped (a pre-1.6 file, which cannot be, is read)."""
+    try:
+        try:
+            state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            state = torch.load(str(path), map_location="cpu", weights_only=True)  # legacy format
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f" (it references {found.group(1)})" if found else ""
+        raise WeightLoadError(f"{path}: refused: this pickle holds Python objects other than tensors{what}; "
+                              "pdserve loads PyTorch checkpoints with weights_only=True and never runs code "
+                              "from a checkpoint (convert it to safetensors)") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as exc:
+        raise WeightLoadError(f"{path}: cannot read this PyTorch checkpoint: {exc}") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise WeightLoadError(f"{path}: expected a state dict of named tensors, got {type(state).__name__}"
+                              + (" with other values" if isinstance(state, dict) else ""))
+    return state
 
 
 def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with open_shard(path) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -140,7 +226,7 @@ def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str 
     seen: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with open_shard(path) as f:
             for stored_name in f.keys():
                 ckpt_name = stored_name
                 if ckpt_name.endswith(model.ignored_suffixes) or (tied and ckpt_name == "lm_head.weight"):

@@ -4,9 +4,27 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
-from pdserve.router.config import ConfigError, from_cli
+import uvicorn
+
+from pdserve.router.config import ConfigError, RouterConfig, from_cli
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, printing the router's one ready line once it listens."""
+
+    def __init__(self, config: uvicorn.Config, cfg: RouterConfig) -> None:
+        super().__init__(config)
+        self.cfg = cfg
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            cfg = self.cfg
+            mode = "PD" if cfg.pd_disaggregation else "plain"
+            print(f"pdserve router ({mode} mode) ready on http://{cfg.host}:{cfg.port}: "
+                  + ", ".join(f"{w.role} {w.url}" for w in cfg.all_workers), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -15,21 +33,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ConfigError as exc:
         sys.stderr.write(f"python -m pdserve.router: error: {exc}\n")
         raise SystemExit(2) from None
-    import uvicorn
-
+    from pdserve.logs import quiet_uvicorn
     from pdserve.router.app import create_app
-
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    mode = "PD" if cfg.pd_disaggregation else "plain"
-    logging.getLogger("pdserve.router").warning(
-        "router (%s mode) on http://%s:%d: %s", mode, cfg.host, cfg.port,
-        ", ".join(f"{w.role} {w.url}" for w in cfg.all_workers))
     from pdserve.server.http_front import MAX_HEADER_BYTES, protocol_class
 
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Slow, idle or oversized clients are cut off before they reach the app, as on the servers.
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                http=protocol_class(cfg.request_read_timeout), h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-                timeout_keep_alive=min(5.0, cfg.request_read_timeout))
+    config = uvicorn.Config(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                            access_log=False, http=protocol_class(cfg.request_read_timeout),
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                            timeout_keep_alive=min(5.0, cfg.request_read_timeout))
+    quiet_uvicorn(cfg.log_level)  # after Config, which sets uvicorn's loggers up
+    _Server(config, cfg).run()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 DEFAULT_BOOTSTRAP_PORT = 8998  # the servers' --disaggregation-bootstrap-port default
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
 ROLES = ("prefill", "decode", "plain")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # the servers' --log-level choices
 
 
 class ConfigError(ValueError):
@@ -73,7 +74,7 @@ class RouterConfig:
     cache_threshold: float = 0.5
     balance_abs_threshold: int = 32
     max_tree_size: int = 1 << 22             # elements (chars or token ids) kept per tree
-    log_level: str = "warning"
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if self.pd_disaggregation:
@@ -200,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-threshold", type=float, default=0.5)
     ap.add_argument("--balance-abs-threshold", type=int, default=32)
     ap.add_argument("--max-tree-size", type=int, default=1 << 22)
-    ap.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    ap.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                    help="info: a ready line, worker changes and failures; debug adds uvicorn's and httpx's lines")
     return ap
 
 

@@ -78,7 +78,7 @@ class WorkerRegistry:
             worker.healthy = healthy
             worker.changed_at = time.monotonic()
             if healthy:
-                logger.warning("%s worker %s is in rotation", worker.role, worker.url)
+                logger.info("%s worker %s is in rotation", worker.role, worker.url)  # normal (startup)
             else:
                 logger.warning("%s worker %s is out of rotation: %s", worker.role, worker.url, reason)
             if self.on_change is not None:

@@ -97,7 +97,7 @@ def build_disagg_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: C
                             args.disaggregation_transfer_timeout),
         secret=secret)
     host = reachable_host(args.host)  # what peers dial: never a wildcard address
-    engine = MooncakeTransfer(host, args.disaggregation_ib_device or "")
+    engine = MooncakeTransfer(host, args.disaggregation_ib_device or "", log_level=args.log_level)
     if args.disaggregation_mode == "decode":
         listing_auth = Authenticator(secret, f"decode-rank{tp.rank}") if secret is not None else None
         return DecodeScheduler(args, runner, decode_text, engine,

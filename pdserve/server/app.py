@@ -5,7 +5,7 @@ OpenAI's error body."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,7 +22,7 @@ from pdserve.server.service_routes import ServiceRoutes
 from pdserve.server.tokenizer_manager import ClientGone, ServerUnavailable, TokenizerManager
 
 
-def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
+def create_app(args: ServerArgs, manager: TokenizerManager, model_names: Sequence[str],
                server_info: Callable[[], dict[str, Any]]) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     app.exception_handler(ApiError)(api_error)
@@ -34,15 +34,16 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_name: str,
     # one cannot make the server buffer a body.
     app.add_middleware(BodyLimit, max_bytes=args.max_request_bytes)
     app.add_middleware(KeyCheck, api_key=args.api_key, admin_api_key=args.admin_api_key)
-    ServiceRoutes(args, manager, model_name, server_info).register(app)
+    ServiceRoutes(args, manager, model_names, server_info).register(app)
     NativeRoutes(args, manager).register(app)
-    OpenAIRoutes(args, manager, model_name).register(app)
+    OpenAIRoutes(args, manager, model_names).register(app)
     return app
 
 
 # ---- errors ------------------------------------------------------------------------------
 async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.status), status_code=exc.status)
+    return JSONResponse(error_body(exc.message, exc.kind, exc.param, exc.code or exc.status),
+                        status_code=exc.status)
 
 
 async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -36,7 +36,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 MAX_HEADER_BYTES = 64 * 1024   # request line + headers; above: 431
 
 
-def error_body(message: str, kind: str, param: str | None, code: int) -> dict[str, Any]:
+def error_body(message: str, kind: str, param: str | None, code: int | str) -> dict[str, Any]:
     """OpenAI's error shape, used by every route (SGLang's router expects it too)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 LINGER_S = 2.0                 # how long a closing connection drains what the client still sends

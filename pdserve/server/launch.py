@@ -18,8 +18,10 @@ from typing import Any
 
 import uvicorn
 
+from pdserve.chat_templates import apply_chat_template_override
 from pdserve.config import ServerArgs
 from pdserve.engine import resolve_model_dir
+from pdserve.logs import quiet_uvicorn
 from pdserve.requests import RequestBuilder
 from pdserve.scheduler.worker import free_tcp_port
 from pdserve.server import ipc
@@ -90,6 +92,7 @@ def launch(args: ServerArgs) -> int:
     model_dir = resolve_model_dir(args)
     tokenizer_dir = resolve_tokenizer_dir(args, model_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
+    apply_chat_template_override(tokenizer, args.chat_template)  # before any process starts: fail fast
     paths = ipc.IpcPaths.create()
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
@@ -115,7 +118,6 @@ def launch(args: ServerArgs) -> int:
                                  args.random_seed)
         metrics = ServerMetrics()
         manager = TokenizerManager(builder, paths, metrics, procs)
-        model_name = args.served_model_name or (str(args.model_path) if args.model_path else "pdserve-demo")
 
         def server_info() -> dict[str, Any]:
             return {"server_args": server_args_dict(args), "version": _version(),
@@ -128,13 +130,14 @@ def launch(args: ServerArgs) -> int:
             yield
             await manager.close()
 
-        app = create_app(args, manager, model_name, server_info)
+        app = create_app(args, manager, args.served_names(), server_info)
         app.router.lifespan_context = lifespan
         # Slow, idle or oversized clients are cut off before they reach the app (http_front).
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, http=protocol_class(args.request_read_timeout),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                                 timeout_keep_alive=min(5.0, args.request_read_timeout))
+        quiet_uvicorn(args.log_level)  # after Config, which sets uvicorn's loggers up
         server = _Server(config)
         logging.getLogger("uvicorn.access").addFilter(_quiet_probes)
         server.run()

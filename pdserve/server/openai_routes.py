@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Any, AsyncIterator, Callable, Union
+from typing import Any, AsyncIterator, Callable, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,12 +36,20 @@ Choice = Callable[[RequestState, TextUpdate], Union[dict[str, Any], None]]
 
 
 # ---- from a body to scheduler messages ---------------------------------------------------
-def check_model(name: str | None, served: str) -> None:
-    if name is not None and name != served:
-        raise ApiError(f"model: {name!r} is not served here (serving {served!r})", "model")
+# The name SGLang's documentation and examples send: whatever this server serves.
+DEFAULT_MODEL_NAME = "default"
 
 
-def check_completion_fields(req: CompletionRequest, served: str) -> None:
+def check_model(name: str | None, served: Sequence[str]) -> None:
+    """A request may name the model by any served name or as "default" (or not at all);
+    another name is OpenAI's 404 `model_not_found`, as vLLM answers it."""
+    if name is not None and name != DEFAULT_MODEL_NAME and name not in served:
+        raise ApiError(f"The model {name!r} does not exist (this server serves "
+                       f"{', '.join(repr(s) for s in served)}, also as {DEFAULT_MODEL_NAME!r})",
+                       "model", status=404, code="model_not_found")
+
+
+def check_completion_fields(req: CompletionRequest, served: Sequence[str]) -> None:
     refuse_unsupported(req)
     check_model(req.model, served)
     if req.best_of is not None and req.best_of != req.n:
@@ -52,7 +60,7 @@ def check_completion_fields(req: CompletionRequest, served: str) -> None:
         raise ApiError("echo: echo with logprobs (prompt logprobs) is not supported", "echo")
 
 
-def check_chat_fields(req: ChatCompletionRequest, served: str, template_args: frozenset[str],
+def check_chat_fields(req: ChatCompletionRequest, served: Sequence[str], template_args: frozenset[str],
                       allow_client_template: bool) -> None:
     refuse_unsupported(req)
     check_model(req.model, served)
@@ -252,10 +260,11 @@ async def openai_events(manager: TokenizerManager, job: Job, head: dict[str, Any
 
 
 class OpenAIRoutes:
-    def __init__(self, args: ServerArgs, manager: TokenizerManager, model_name: str) -> None:
+    def __init__(self, args: ServerArgs, manager: TokenizerManager, model_names: Sequence[str]) -> None:
         self.args = args
         self.manager = manager
-        self.model_name = model_name
+        self.model_names = tuple(model_names)
+        self.model_name = self.model_names[0]  # what responses report
         self.texts = TokenTexts(manager.tokenizer)
         self.template_args = template_call_args(manager.tokenizer)
 
@@ -272,7 +281,7 @@ class OpenAIRoutes:
                                  media_type="text/event-stream")
 
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
-        check_completion_fields(req, self.model_name)
+        check_completion_fields(req, self.model_names)
         try:
             with self.manager.preparing_rids(client_rids(req.rid)):
                 requests, texts = await self.manager.off_loop(completion_requests, self.args,
@@ -297,7 +306,7 @@ class OpenAIRoutes:
         return JSONResponse({**head, "choices": choices, "usage": usage(job.states)})
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Response:
-        check_chat_fields(req, self.model_name, self.template_args, self.args.allow_client_chat_template)
+        check_chat_fields(req, self.model_names, self.template_args, self.args.allow_client_chat_template)
         try:
             with self.manager.preparing_rids(client_rids(req.rid)):
                 requests = await self.manager.off_loop(chat_requests, self.args, self.manager.builder, req)

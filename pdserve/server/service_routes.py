@@ -3,7 +3,7 @@ cache flush, metrics and aborts (SGLang's names, which its router calls)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,11 +27,11 @@ async def json_body(request: Request) -> dict[str, Any]:
 
 
 class ServiceRoutes:
-    def __init__(self, args: ServerArgs, manager: TokenizerManager, model_name: str,
+    def __init__(self, args: ServerArgs, manager: TokenizerManager, model_names: Sequence[str],
                  server_info: Callable[[], dict[str, Any]]) -> None:
         self.args = args
         self.manager = manager
-        self.model_name = model_name
+        self.model_names = tuple(model_names)
         self.server_info = server_info
 
     def register(self, app: FastAPI) -> None:
@@ -64,9 +64,10 @@ class ServiceRoutes:
         return Response(status_code=200)
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "pdserve",
-                                            "max_model_len": self.manager.builder.context_len}]}
+        # Every served name, the one responses report first (a client taking data[0] gets it).
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
+                                            "max_model_len": self.manager.builder.context_len}
+                                           for name in self.model_names]}
 
     async def model_info(self) -> dict[str, Any]:
         return {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path,

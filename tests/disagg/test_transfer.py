@@ -55,3 +55,46 @@ def test_mooncake_write_between_processes():
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+# ---- Mooncake's own log follows --log-level ---------------------------------------------------
+_ENGINE_SCRIPT = """
+import os, sys
+from pdserve.disagg.transfer import MooncakeTransfer
+engine = MooncakeTransfer("127.0.0.1", log_level=sys.argv[1])
+print("MC_LOG_LEVEL left:", os.environ.get("MC_LOG_LEVEL"), flush=True)
+engine.close()
+"""
+
+
+def _engine_output(log_level: str, **env: str) -> tuple[str, str]:
+    """(stdout, stderr) of a fresh process that starts and closes a Mooncake engine."""
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k != "MC_LOG_LEVEL"}
+    r = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, log_level], capture_output=True, text=True,
+                       timeout=60, env={**base, **env})
+    assert r.returncode == 0, r.stderr
+    return r.stdout, r.stderr
+
+
+def test_mooncake_log_is_quiet_below_debug_and_leaves_the_environment_alone():
+    """A normal start at `info` prints none of Mooncake's dozen lines (one of them an `E`);
+    the MC_LOG_LEVEL it sets for the library's load is not left for child processes,
+    which would take it for the user's."""
+    out, err = _engine_output("info")
+    assert err == "", err
+    assert "MC_LOG_LEVEL left: None" in out
+    _, err = _engine_output("warning")
+    assert err == "", err
+
+
+def test_mooncake_log_shows_at_debug_and_a_user_level_wins():
+    _, err = _engine_output("debug")
+    assert "transfer_engine" in err and "Local segment descriptor not found" in err, err
+    assert len([line for line in err.splitlines() if line[:1] in "IWE" and line[1:5].isdigit()]) >= 5, err
+    out, err = _engine_output("info", MC_LOG_LEVEL="INFO")  # the user's own setting
+    assert "transfer_engine" in err, err
+    assert "MC_LOG_LEVEL left: INFO" in out

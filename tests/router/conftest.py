@@ -74,14 +74,15 @@ def fake_deployment(prefills: int = 1, decodes: int = 1, *flags: str, plain: boo
 
 # ---- a real router process ------------------------------------------------------------
 class RouterProcess:
-    """`python -m pdserve.router ...` on a free port, ready once its /health is 200."""
+    """`python -m pdserve.router ...` on a free port, ready once its /health is 200
+    (``log_level`` None: the router's own default)."""
 
-    def __init__(self, *args: str, ready_timeout: float = 60.0) -> None:
+    def __init__(self, *args: str, ready_timeout: float = 60.0, log_level: str | None = "warning") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="pdserve-router-", suffix=".log", delete=False)
         self.argv = [sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--log-level", "warning", *args]
+                     *(("--log-level", log_level) if log_level else ()), *args]
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         process_logs.register(self.log.name, f"router :{self.port}")

@@ -69,7 +69,6 @@ COMPLETION_CASES = [
     ("wrong type n", completion(n=1.5), ("n",)),
     ("wrong type stream", completion(stream="yes"), ("stream",)),
     ("wrong type stop", completion(stop=5), ("stop",)),
-    ("unknown model", completion(model="no-such-model"), ("model",)),
     ("missing prompt", drop(completion(), "prompt"), ("prompt",)),
     ("empty prompt", completion(prompt=""), ("prompt",)),
     ("empty prompt list", completion(prompt=[]), ("prompt",)),
@@ -111,7 +110,6 @@ CHAT_CASES = [
     ("message bad role", chat(messages=[{"role": "wizard", "content": "hi"}]), ("messages", "role")),
     ("message content wrong type", chat(messages=[{"role": "user", "content": 5}]),
      ("messages", "content")),
-    ("unknown model", chat(model="gpt-4"), ("model",)),
     ("negative temperature", chat(temperature=-1), ("temperature",)),
     ("top_p above 1", chat(top_p=2), ("top_p",)),
     ("negative max_tokens", chat(max_tokens=-1), ("max_tokens",)),
@@ -135,6 +133,19 @@ CHAT_CASES = [
 @pytest.mark.parametrize("name,body,fields", CHAT_CASES, ids=[c[0] for c in CHAT_CASES])
 def test_chat_bad_input(http, name, body, fields):
     assert_openai_error(http.post("/v1/chat/completions", json=body), fields=fields)
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", completion(model="no-such-model")),
+                                       ("/v1/chat/completions", chat(model="gpt-4")),
+                                       ("/v1/chat/completions", chat(model="gpt-4", stream=True))],
+                         ids=["completions", "chat", "chat-stream"])
+def test_unknown_model_is_openai_404(http, path, body):
+    """OpenAI's (and vLLM's) answer to a model that is not served: 404 model_not_found."""
+    r = http.post(path, json=body)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model", err
+    assert err["type"] == "invalid_request_error" and body["model"] in err["message"], err
 
 
 def test_stream_bad_input_is_400_not_a_broken_stream(http):
@@ -258,9 +269,10 @@ def test_openai_client_auth(server):
                                          max_tokens=3, tools=[{"type": "function", "function": {
                                              "name": "f", "parameters": {"type": "object"}}}])
         assert "tools" in str(exc.value)
-        # The path is not the model name when --served-model-name is given.
-        with pytest.raises(openai.BadRequestError):
+        # Another name is not served (the openai client's NotFoundError, as against OpenAI).
+        with pytest.raises(openai.NotFoundError) as missing:
             good.completions.create(model="gpt-3.5-turbo-instruct", prompt="hello", max_tokens=3)
+        assert missing.value.code == "model_not_found"
     finally:
         good.close()
         bad.close()
