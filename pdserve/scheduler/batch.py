@@ -3,19 +3,24 @@ batched inputs built from requests, the drawn tokens, the step's output."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import torch
 
+from pdserve.model import device_io
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ForwardInput
-from pdserve.model.sampler import Penalties, SamplingInfo, sample
+from pdserve.model.sampler import (Penalties, PenaltyRows, SamplingInfo, make_sampling_info, row_key,
+                                   sample)
 from pdserve.scheduler.req import Req
 
 
 class Drawable(Protocol):
-    """What the sampler reads of a request (a Req, or a view of one mid-round)."""
+    """What the sampler reads of a request (a Req, or a view of one mid-round). A view
+    that also has ``base`` (the Req) and ``extra_ids`` (its tokens past the Req's
+    output) gets its penalties from the Req's device state instead of from scratch."""
     params: Any
     seed: int
     num_output_tokens: int
@@ -53,6 +58,14 @@ class Draws:
     top_logprobs: list[list[float]] | None
     top_ids: list[list[int]] | None
 
+    @classmethod
+    def unpack(cls, rows: list[list[float]], logprobs: bool, top_k: int) -> "Draws":
+        """From the host rows of ``draw``'s one transfer: [id, logprob?, top_k logprobs, top_k ids]."""
+        return cls([int(r[0]) for r in rows],
+                   [r[1] for r in rows] if logprobs else None,
+                   [r[2:2 + top_k] for r in rows] if top_k else None,
+                   [[int(t) for t in r[2 + top_k:]] for r in rows] if top_k else None)
+
     def append_to(self, req: Req, i: int) -> None:
         """Emit row ``i``'s token as ``req``'s next output token."""
         req.output_ids.append(self.ids[i])
@@ -67,72 +80,176 @@ def draw(logits: torch.Tensor, rows: Sequence[Drawable], owners: Sequence[Req], 
          eos_ids: tuple[int, ...], tp: TPGroup) -> Draws:
     """Sample one token per logits row; ``rows`` say what each row's request looks like
     at that position, ``owners`` which requests ask for logprobs. Rank 0's draw is
-    broadcast so every TP rank emits the same token."""
+    broadcast so every TP rank emits the same token. The one device-to-host read:
+    ids, chosen logprobs and top logprobs packed into one float64 transfer (ids
+    < 2^31 are exact)."""
     info = build_sampling_info(rows, vocab_size, eos_ids, logits.device)
     want_lp = any(r.return_logprob for r in owners)
     top_k = max((r.top_logprobs_num for r in owners), default=0)
     result = sample(logits, info, want_lp, top_k)
-    return Draws(tp.broadcast(result.next_ids).tolist(),
-                 result.logprobs.tolist() if result.logprobs is not None else None,
-                 result.top_logprobs.tolist() if result.top_logprobs is not None else None,
-                 result.top_ids.tolist() if result.top_ids is not None else None)
+    cols = [tp.broadcast(result.next_ids).unsqueeze(1)]
+    if result.logprobs is not None:
+        cols.append(result.logprobs.unsqueeze(1))
+    if result.top_logprobs is not None and result.top_ids is not None:
+        cols += [result.top_logprobs, result.top_ids]
+    host = device_io.fetch(torch.cat([c.double() for c in cols], dim=1))
+    return Draws.unpack(host, result.logprobs is not None, top_k if result.top_logprobs is not None else 0)
 
 
 def build_sampling_info(reqs: Sequence[Drawable], vocab_size: int, eos_ids: tuple[int, ...],
                         device: torch.device) -> SamplingInfo:
+    """The sampler's inputs for ``reqs`` from their Python values: O(rows) scalar work
+    plus the tokens each request produced since its last draw; uploads only, no
+    device read."""
     ps = [r.params for r in reqs]
-    temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32)
-    all_greedy = bool((temps == 0).all()) or all(p.greedy for p in ps)
-    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in ps], dtype=torch.int64)
-    top_ps = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
-    min_ps = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
-    # top_k == 1 is greedy whatever the temperature.
-    temps = torch.where(top_ks == 1, torch.zeros_like(temps), temps)
-    need_filter = bool((top_ks < vocab_size).any() | (top_ps < 1).any() | (min_ps > 0).any())
-    info = SamplingInfo(
-        temperatures=temps.to(device),
-        top_ps=top_ps.to(device),
-        top_ks=top_ks.to(device),
-        min_ps=min_ps.to(device),
-        seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=device),
-        steps=torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.int64, device=device),
-        all_greedy=all_greedy,
-        need_filter=need_filter,
-    )
+    info = make_sampling_info([p.temperature for p in ps], [p.top_p for p in ps], [p.top_k for p in ps],
+                              [p.min_p for p in ps], [row_key(r.seed, r.num_output_tokens) for r in reqs],
+                              vocab_size, device)
     if any(p.needs_penalties for p in ps):
         info.penalties = _penalties(reqs, vocab_size, device)
-    banned_rows = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.params.min_new_tokens]
-    if banned_rows:
-        banned = torch.zeros(len(reqs), vocab_size, dtype=torch.bool)
-        for i in banned_rows:
-            r = reqs[i]
-            ids = set(r.params.stop_token_ids)
-            if not r.params.ignore_eos:
-                ids.update(eos_ids)
-            ids = [t for t in ids if t < vocab_size]
-            if ids:
-                banned[i, ids] = True
-        info.banned = banned.to(device)
+    else:
+        _release_penalty_state(vocab_size, device)
+    banned = []
+    for i, r in enumerate(reqs):
+        p = r.params
+        if r.num_output_tokens < p.min_new_tokens:
+            ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(eos_ids)
+            banned += [i * vocab_size + t for t in ids if t < vocab_size]
+    if banned:
+        flat = torch.zeros(len(reqs) * vocab_size, dtype=torch.bool, device=device)
+        flat.index_fill_(0, device_io.upload(banned, torch.int64, device), True)
+        info.banned = flat.view(len(reqs), vocab_size)
     return info
 
 
+# ---- penalty state ----------------------------------------------------------------------------
+# Each request with penalties keeps a row of a PenaltyRows on the device: its prompt
+# marked once, its committed output counted as it grows (one batched scatter per
+# step for the tokens drawn since). A row of the batch that is a view of a request
+# in the middle of a speculative round names that request as ``base`` and its
+# tokens past the request's output as ``extra_ids``: those are counted on top for
+# this draw only. A row naming neither is counted from scratch in a slot lent for
+# this draw. Draws of one process run on one thread.
+
+@dataclass(eq=False)
+class _Counted:
+    """What a request's slot holds: ``prompt`` marked, ``output[:n]`` counted."""
+    slot: int
+    prompt: list[int]
+    output: list[int]
+    n: int = 0
+    last: int = -1  # output[n - 1]
+
+    def holds(self, req: Req) -> bool:
+        """Still a prefix of ``req``'s output (a truncated or replaced one is not)."""
+        out = req.output_ids
+        return (self.prompt is req.prompt_ids and self.output is out and self.n <= len(out)
+                and (self.n == 0 or out[self.n - 1] == self.last))
+
+
+class _PenaltyBook:
+    """Which slot of the device rows holds which request (one book per device and vocabulary)."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.rows = PenaltyRows(vocab, device)
+        self.held: weakref.WeakKeyDictionary[Req, _Counted] = weakref.WeakKeyDictionary()
+        self.free: list[int] = list(range(self.rows.capacity - 1, 0, -1))
+        self.lent: list[int] = []  # slots used from scratch by the current draw
+
+    def release_finished(self) -> None:
+        for req, counted in list(self.held.items()):
+            if req.finished:
+                del self.held[req]
+                self.free.append(counted.slot)
+
+    def take_slot(self) -> int:
+        if not self.free:
+            # Slots of requests collected without finishing come back first.
+            used = {c.slot for c in self.held.values()}.union(self.lent)
+            self.free = [s for s in range(self.rows.capacity - 1, 0, -1) if s not in used]
+        if not self.free:
+            old = self.rows.capacity
+            self.rows.grow(2 * old)
+            self.free = list(range(2 * old - 1, old - 1, -1))
+        return self.free.pop()
+
+
+_BOOKS: dict[tuple[torch.device, int], _PenaltyBook] = {}
+
+
+def _release_penalty_state(vocab_size: int, device: torch.device) -> None:
+    """Free the slots of finished requests; drop the device rows once none is held."""
+    book = _BOOKS.get((device, vocab_size))
+    if book is not None:
+        book.release_finished()
+        if not book.held:
+            del _BOOKS[(device, vocab_size)]
+
+
+def _committed(row: Drawable) -> tuple[Req | None, Sequence[int]]:
+    """The request whose committed output ``row`` extends, and the tokens past it."""
+    if isinstance(row, Req):
+        return row, ()
+    base, extra = getattr(row, "base", None), getattr(row, "extra_ids", None)
+    return (base, extra) if isinstance(base, Req) and extra is not None else (None, ())
+
+
 def _penalties(reqs: Sequence[Drawable], vocab_size: int, device: torch.device) -> Penalties:
-    n = len(reqs)
-    counts = torch.zeros(n, vocab_size, dtype=torch.float32)
-    seen = torch.zeros(n, vocab_size, dtype=torch.bool)
-    for i, r in enumerate(reqs):
-        if r.output_ids:
-            out = torch.tensor(r.output_ids, dtype=torch.int64)
-            counts[i].index_add_(0, out, torch.ones(len(out)))
-        seen[i, torch.tensor(r.fill_ids, dtype=torch.int64)] = True
+    """Penalty inputs of ``reqs``: exactly what counting every row's output and marking
+    its prompt and output gives, from state kept on the device (rows without
+    penalties read the all-zero slot 0)."""
+    key, v = (device, vocab_size), vocab_size
+    book = _BOOKS.get(key)
+    if book is None:
+        book = _BOOKS[key] = _PenaltyBook(vocab_size, device)
+    book.release_finished()
+    slots = [0] * len(reqs)
+    reset: list[int] = []
+    marks: list[int] = []    # slot * V + token: seen
+    counted: list[int] = []  # slot * V + token: counted and seen
+    extra: list[int] = []    # row * V + token: counted and seen in this draw only
+    done: dict[int, int] = {}
 
-    def col(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    def fill(slot: int, prompt: Sequence[int], output: Sequence[int]) -> None:
+        reset.append(slot)
+        marks.extend(slot * v + t for t in prompt if 0 <= t < v)
+        counted.extend(slot * v + t for t in output if 0 <= t < v)
 
-    return Penalties(
-        repetition=col([r.params.repetition_penalty for r in reqs]),
-        frequency=col([r.params.frequency_penalty for r in reqs]),
-        presence=col([r.params.presence_penalty for r in reqs]),
-        output_counts=counts.to(device),
-        seen=seen.to(device),
-    )
+    for i, row in enumerate(reqs):
+        if not row.params.needs_penalties:
+            continue
+        base, more = _committed(row)
+        if base is None:
+            slot = book.take_slot()
+            book.lent.append(slot)
+            out, whole = row.output_ids, row.fill_ids
+            fill(slot, whole[:len(whole) - len(out)], out)
+        elif id(base) in done:
+            slot = done[id(base)]
+        else:
+            out = base.output_ids
+            c = book.held.get(base)
+            if c is None or not c.holds(base):
+                c = book.held[base] = _Counted(c.slot if c is not None else book.take_slot(),
+                                               base.prompt_ids, out)
+                fill(c.slot, c.prompt, out)
+            else:
+                counted.extend(c.slot * v + t for t in out[c.n:] if 0 <= t < v)
+            c.n, c.last = len(out), (out[-1] if out else -1)
+            slot = done[id(base)] = c.slot
+        extra.extend(i * v + t for t in more if 0 <= t < v)
+        slots[i] = slot
+
+    lists = (slots, reset, marks, counted, extra)
+    ints = device_io.upload([t for part in lists for t in part], torch.int64, device)
+    slot_t, reset_t, marks_t, counted_t, extra_t = (
+        part_t if part else None for part, part_t in zip(lists, ints.split([len(x) for x in lists])))
+    book.rows.update(reset_t, marks_t, counted_t)
+    counts, seen = book.rows.gather(slot_t, extra_t)
+    book.free += book.lent  # (their rows were copied out above; later writes come after on the stream)
+    book.lent.clear()
+    ps = [r.params for r in reqs]
+    cols = device_io.upload([*(p.repetition_penalty for p in ps), *(p.frequency_penalty for p in ps),
+                             *(p.presence_penalty for p in ps)], torch.float32, device)
+    rep, freq, pres = cols.view(3, len(reqs), 1)
+    return Penalties(repetition=rep, frequency=freq, presence=pres, output_counts=counts, seen=seen)

@@ -5,30 +5,30 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.model import device_io, sampler
+from pdserve.model.parallel import TPGroup
 from pdserve.model.sampler import (Penalties, SamplingInfo, apply_penalties, filter_probs, gumbel_noise,
-                                   sample, uniform_noise)
+                                   make_sampling_info, row_key, sample, uniform_noise)
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler import batch as batch_mod
+from pdserve.scheduler.req import FinishKind, FinishReason, Req
+from pdserve.speculative.decoding import DrawView
 
 
 def make_info(rows: int, vocab: int, *, temperature=1.0, top_p=1.0, top_k=None, min_p=0.0,
               seeds=None, steps=None, penalties=None, banned=None) -> SamplingInfo:
-    def col(v, dtype):
+    def col(v):
         if isinstance(v, torch.Tensor):
-            return v.to(dtype)
+            return v.tolist()
         if isinstance(v, (list, tuple)):
-            return torch.tensor(v, dtype=dtype)
-        return torch.full((rows,), v, dtype=dtype)
+            return list(v)
+        return [v] * rows
 
-    temps = col(temperature, torch.float32)
-    top_ps = col(top_p, torch.float32)
-    top_ks = col(vocab if top_k is None else top_k, torch.int64)
-    top_ks = torch.where(top_ks < 0, torch.full_like(top_ks, vocab), top_ks)
-    min_ps = col(min_p, torch.float32)
-    seeds = col(0 if seeds is None else seeds, torch.int64)
-    steps = col(0 if steps is None else steps, torch.int64)
-    need_filter = bool((top_ps < 1).any() or (top_ks < vocab).any() or (min_ps > 0).any())
-    return SamplingInfo(temperatures=temps, top_ps=top_ps, top_ks=top_ks, min_ps=min_ps, seeds=seeds,
-                        steps=steps, all_greedy=bool((temps == 0).all()), need_filter=need_filter,
-                        penalties=penalties, banned=banned)
+    seeds, steps = col(0 if seeds is None else seeds), col(0 if steps is None else steps)
+    info = make_sampling_info(col(temperature), col(top_p), col(-1 if top_k is None else top_k), col(min_p),
+                              [row_key(s, t) for s, t in zip(seeds, steps)], vocab, torch.device("cpu"))
+    info.penalties, info.banned = penalties, banned
+    return info
 
 
 # ---- noise -------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def test_top_k_one_equals_argmax():
     torch.manual_seed(3)
     logits = torch.randn(32, 64)
     info = make_info(32, 64, temperature=1.5, top_k=1, seeds=torch.arange(32))
-    assert info.need_filter
+    assert info.all_greedy  # planned on the host: top_k 1 is greedy whatever the temperature
     out = sample(logits, info, False, 0)
     assert torch.equal(out.next_ids, logits.argmax(-1))
 
@@ -349,3 +349,364 @@ def test_top_logprobs_sorted_and_consistent():
     out2 = sample(logits, info, want_logprobs=False, top_k_logprobs=2)
     assert out2.top_logprobs.shape == (8, 2)
     assert out2.logprobs is not None
+
+
+# ---- the hash: cheap, and still a good source of independent uniforms ------------------------------
+def _pair_chi2_z(a: torch.Tensor, b: torch.Tensor, bins: int = 32) -> float:
+    """z-score of the chi-square of the 2-D histogram of pairs (a, b) of uniforms."""
+    cells = (a * bins).long() * bins + (b * bins).long()
+    counts = torch.bincount(cells.flatten(), minlength=bins * bins).double()
+    expected = counts.sum() / bins ** 2
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    dof = bins ** 2 - 1
+    return (chi2 - dof) / (2 * dof) ** 0.5
+
+
+def test_row_key_same_on_ints_and_tensors():
+    seeds = [0, 1, 7, 12345, 2**32 - 1, 2**32, 2**40 + 3, 2**63 - 1]
+    steps = [0, 1, 2, 99, 1000, 2**20, 5, 77]
+    on_tensors = row_key(torch.tensor(seeds), torch.tensor(steps)).tolist()
+    assert on_tensors == [row_key(s, t) for s, t in zip(seeds, steps)]
+    assert all(0 <= k < 2**32 for k in on_tensors)
+    assert len(set(on_tensors)) == len(seeds)
+
+
+def test_uniform_noise_bucket_chi_square():
+    seeds = torch.arange(2000, dtype=torch.int64) * 7919 + 3
+    u = uniform_noise(seeds, torch.arange(2000) % 17, 500).flatten()
+    counts = torch.histc(u, bins=100, min=0.0, max=1.0).double()
+    expected = u.numel() / 100
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 148.2, chi2  # 99 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("seed", [0, 42, 2**40 + 3])
+def test_uniform_noise_independent_across_tokens_and_steps(seed):
+    """Neighbouring tokens of a row, and the same token at consecutive steps of one
+    request, are independent: the 2-D histograms of the pairs are flat."""
+    n = 4000
+    u = uniform_noise(torch.full((n,), seed), torch.arange(n), 600)
+    for lag in (1, 2, 7):
+        assert abs(_pair_chi2_z(u[:, :-lag], u[:, lag:])) < 4.5, lag
+    assert abs(_pair_chi2_z(u[:-1], u[1:])) < 4.5
+    # consecutive seeds at the same step too
+    v = uniform_noise(torch.arange(n) + seed, torch.zeros(n, dtype=torch.int64), 600)
+    assert abs(_pair_chi2_z(v[:-1], v[1:])) < 4.5
+    corr = torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1]
+    assert abs(float(corr)) < 0.005
+
+
+def test_gumbel_transform_finite_on_every_hash_value():
+    """u = (v + 0.5) / 2^23 for every 23-bit v: strictly inside (0, 1), Gumbel finite."""
+    v = torch.arange(2**23, dtype=torch.int64)
+    u = (v * 512).float().add_(256.0).mul_(2.0 ** -32)  # as _hash_uniform keeps v: bits 9..31
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert torch.equal(u.double(), (v.double() + 0.5) / 2**23)  # exact in float32
+    assert u.unique().numel() == 2**23
+    g = u.log().neg().log().neg()
+    assert bool(torch.isfinite(g).all())
+
+
+# ---- ranked candidates: a partial selection gives the full sort's tokens ----------------------------
+def _reference_draw(logp_row: torch.Tensor, seed: int, step: int, top_k: int, top_p: float, min_p: float) -> int:
+    """The documented rule, one row at a time: rank by log-prob (ties: lowest id),
+    keep by position, draw the Gumbel max in rank order."""
+    vocab = logp_row.shape[0]
+    order = sorted(range(vocab), key=lambda t: (-float(logp_row[t]), t))
+    vals = logp_row[order]
+    p = vals.exp()
+    before = p.cumsum(0) - p
+    keep = torch.ones(vocab, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        keep[top_k:] = False
+    if top_p < 1:
+        keep &= before <= top_p
+    keep &= vals >= vals[0] + torch.tensor(min_p).log()
+    keep[0] = True
+    g = gumbel_noise(torch.tensor([seed]), torch.tensor([step]), vocab)[0]
+    scores = torch.where(keep, vals, torch.tensor(float("-inf"))) + g[order]
+    return order[int(scores.argmax())]
+
+
+def _tied_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # coarse values: many exact ties, also at the top-k boundary
+    return (torch.randn(rows, vocab, generator=g) * 2).round() / 2
+
+
+PARAM_MIXES = [
+    dict(top_k=5),
+    dict(top_k=[1, 2, 3, 8, 20, 40, 3, 5]),
+    dict(top_k=7, top_p=0.6),
+    dict(top_k=30, min_p=0.2),
+    dict(top_k=[4, 9, 16, 25, 3, 12, 40, 2], top_p=[0.3, 0.5, 0.9, 1.0, 0.95, 0.7, 0.2, 1.0],
+         min_p=[0.0, 0.05, 0.1, 0.0, 0.3, 0.0, 0.01, 0.5]),
+    dict(top_p=0.8),
+    dict(min_p=0.25),
+    dict(top_k=[10, -1, 10, -1, 6, -1, 3, -1], top_p=[1.0, 0.7, 1.0, 1.0, 0.5, 1.0, 1.0, 0.9],
+         min_p=[0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.2]),
+]
+
+
+@pytest.mark.parametrize("mix", range(len(PARAM_MIXES)))
+@pytest.mark.parametrize("temperature", [1.0, [0.0, 0.7, 1.3, 0.0, 2.0, 0.5, 1.0, 0.9]])
+def test_partial_selection_equals_full_sort_and_reference(mix, temperature, monkeypatch):
+    rows, vocab = 8, 64
+    kw = PARAM_MIXES[mix]
+    seeds, steps = torch.arange(rows) * 1000 + mix, torch.arange(rows) % 3
+    got = {}
+    for cap in (sampler.CANDIDATE_CAP, 0):  # cap 0: every ranked row takes the full sort
+        monkeypatch.setattr(sampler, "CANDIDATE_CAP", cap)
+        for trial in range(6):
+            logits = _tied_logits(rows, vocab, 100 * mix + trial)
+            info = make_info(rows, vocab, temperature=temperature, seeds=seeds + trial, steps=steps, **kw)
+            got[cap, trial] = sample(logits, info, False, 0).next_ids
+    for trial in range(6):
+        assert torch.equal(got[sampler.CANDIDATE_CAP, trial], got[0, trial])
+    # and both are the documented rule, row by row
+    temps = temperature if isinstance(temperature, list) else [temperature] * rows
+    col = {k: (v if isinstance(v, list) else [v] * rows) for k, v in kw.items()}
+    for trial in range(6):
+        logits = _tied_logits(rows, vocab, 100 * mix + trial)
+        for i in range(rows):
+            top_k, top_p, min_p = (col.get("top_k", [-1] * rows)[i], col.get("top_p", [1.0] * rows)[i],
+                                   col.get("min_p", [0.0] * rows)[i])
+            if temps[i] == 0 or top_k == 1:
+                want = int(logits[i].argmax())
+            else:
+                logp = torch.log_softmax(logits[i:i + 1] / temps[i], -1)[0]
+                want = _reference_draw(logp, int(seeds[i]) + trial, int(steps[i]), top_k, top_p, min_p)
+            assert int(got[0, trial][i]) == want, (trial, i)
+
+
+def test_partial_selection_is_used_and_capped():
+    info = make_info(3, 5000, top_k=[50, 7, 200])
+    assert info.candidates == 200 and info.free_rows is None
+    assert info.use_top_k and not info.use_top_p and not info.use_min_p
+    assert make_info(2, 5000, top_k=[50, 2000]).candidates == 5000  # over the cap: full sort
+    assert make_info(2, 5000, top_p=[0.9, 1.0]).candidates == 5000  # top-p without a top-k
+    mixed = make_info(3, 5000, top_k=[50, -1, 1], min_p=[0, 0.1, 0])
+    assert mixed.candidates == 50 and mixed.use_min_p and not mixed.use_top_p
+    assert mixed.ranked_rows.tolist() == [0] and mixed.free_rows.tolist() == [1]
+    only_min_p = make_info(2, 5000, min_p=0.1)
+    assert only_min_p.candidates == 0 and only_min_p.ranked_rows is None
+    assert make_info(2, 50, temperature=[0.0, 0.0], top_k=5).all_greedy
+
+
+def test_rows_draw_the_same_alone_and_in_any_batch():
+    """A row's token depends on its own values only, whatever path the batch takes."""
+    vocab = 300
+    logits = _tied_logits(6, vocab, 7)
+    kw = dict(temperature=[0.0, 0.8, 1.0, 1.2, 0.9, 1.0], top_k=[-1, 20, -1, -1, 2000, 5],
+              top_p=[1.0, 0.9, 1.0, 0.8, 1.0, 1.0], min_p=[0.0, 0.0, 0.2, 0.0, 0.1, 0.0],
+              seeds=[5, 6, 7, 8, 9, 10], steps=[0, 1, 2, 3, 4, 5])
+    batch = sample(logits, make_info(6, vocab, **kw), False, 0).next_ids
+    for i in range(6):
+        one = {k: [v[i]] for k, v in kw.items()}
+        assert int(sample(logits[i:i + 1], make_info(1, vocab, **one), False, 0).next_ids) == int(batch[i])
+    for pair in ((1, 5), (2, 3), (0, 4), (3, 5)):
+        sub = {k: [v[j] for j in pair] for k, v in kw.items()}
+        ids = sample(logits[list(pair)], make_info(2, vocab, **sub), False, 0).next_ids
+        assert ids.tolist() == [int(batch[j]) for j in pair]
+
+
+def test_top_k_ties_keep_lowest_ids():
+    logits = torch.tensor([[1.0, 2.0, 1.0, 2.0, 1.0, 0.0]]).repeat(300, 1)
+    ids = sample(logits, make_info(300, 6, top_k=3, seeds=torch.arange(300)), False, 0).next_ids
+    assert set(ids.tolist()) == {0, 1, 3}
+
+
+# ---- penalty state on the device: incremental equals from scratch ------------------------------------
+def _req(rid: str, prompt: list[int], seed: int = 0, **params) -> Req:
+    return Req(rid=rid, prompt_ids=prompt, params=SamplingParams(**params), seed=seed)
+
+
+class _View(DrawView):
+    """A request mid speculative round that names its request: the incremental path."""
+
+    def __init__(self, req: Req, path: list[int]) -> None:
+        super().__init__(req, path)
+        self.base, self.extra_ids = req, path
+
+
+def _from_scratch(rows, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The old host computation: count every row's output, mark its prompt and output."""
+    counts = torch.zeros(len(rows), vocab)
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        for t in r.output_ids:
+            counts[i, t] += 1
+        seen[i, r.fill_ids] = True
+    return counts, seen
+
+
+def _check_penalties(rows, vocab: int) -> None:
+    pen = batch_mod._penalties(rows, vocab, torch.device("cpu"))
+    counts, seen = _from_scratch(rows, vocab)
+    for i, r in enumerate(rows):
+        if r.params.needs_penalties:
+            assert torch.equal(pen.output_counts[i], counts[i]), i
+            assert torch.equal(pen.seen[i], seen[i]), i
+            assert pen.repetition[i, 0] == torch.tensor(r.params.repetition_penalty, dtype=torch.float32)
+            assert pen.frequency[i, 0] == torch.tensor(r.params.frequency_penalty, dtype=torch.float32)
+            assert pen.presence[i, 0] == torch.tensor(r.params.presence_penalty, dtype=torch.float32)
+        else:  # neutral parameters: the all-zero row, no effect
+            assert not bool(pen.output_counts[i].any()) and not bool(pen.seen[i].any())
+    logits = torch.randn(len(rows), vocab)
+    full = Penalties(pen.repetition, pen.frequency, pen.presence, counts, seen)
+    assert torch.equal(apply_penalties(logits, pen), apply_penalties(logits, full))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_penalties_equal_from_scratch(seed):
+    import random
+
+    rng = random.Random(seed)
+    vocab = 40
+    pen_kw = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.5, presence_penalty=-0.25),
+              dict(repetition_penalty=0.8, presence_penalty=1.0), {}]
+
+    def new_req(prompt=None):
+        prompt = prompt if prompt is not None else [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        return _req(f"r{rng.random()}", prompt, seed=rng.randrange(2**40), **rng.choice(pen_kw))
+
+    live = [new_req() for _ in range(6)]
+    for step in range(60):
+        # Draw: a random batch, some rows as views (named: incremental; DrawView: from scratch).
+        rows = []
+        for r in rng.sample(live, rng.randint(1, len(live))):
+            kind = rng.random()
+            path = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
+            rows.append(r if kind < 0.5 else _View(r, path) if kind < 0.8 else DrawView(r, path))
+            if kind > 0.9:  # several nodes of one request's tree in the same draw
+                rows.append(_View(r, path[:1]))
+        _check_penalties(rows, vocab)
+        # Then the requests move on.
+        for r in list(live):
+            event = rng.random()
+            if event < 0.6:
+                r.output_ids.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 3)))
+            elif event < 0.65 and r.output_ids:  # output truncated
+                del r.output_ids[rng.randrange(len(r.output_ids)):]
+            elif event < 0.68 and r.output_ids:  # truncated and regrown past its length
+                last = r.output_ids[-1]
+                r.output_ids[rng.randrange(len(r.output_ids)):] = [(last + 1) % vocab] * 4
+            elif event < 0.7:  # replaced by another list (equal, or differing before its last token)
+                r.output_ids = list(r.output_ids)
+                if len(r.output_ids) > 1 and rng.random() < 0.5:
+                    r.output_ids[0] = (r.output_ids[0] + 1) % vocab
+            elif event < 0.75:  # finished
+                r.finish = FinishReason(FinishKind.LENGTH)
+                live.remove(r)
+            # else: not drawn (e.g. retracted: its output is kept, its KV recomputed)
+        if rng.random() < 0.3:  # a new prompt with n samples sharing it
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+            live += [new_req(prompt) for _ in range(rng.randint(1, 3))]
+        if not live:
+            live.append(new_req())
+
+
+def test_penalty_state_counts_only_new_tokens_and_is_released():
+    vocab = 30
+    reqs = [_req(f"r{i}", [1, 2, 3], frequency_penalty=0.5) for i in range(3)]
+    dev = torch.device("cpu")
+    _check_penalties(reqs, vocab)
+    book = batch_mod._BOOKS[(dev, vocab)]
+    slots = {book.held[r].slot for r in reqs}
+    assert len(slots) == 3 and 0 not in slots
+    for r in reqs:
+        r.output_ids += [4, 4]
+    _check_penalties(reqs, vocab)
+    assert [book.held[r].n for r in reqs] == [2, 2, 2]
+    # more requests than slots: the rows grow, state kept
+    more = [_req(f"m{i}", [5], presence_penalty=1.0) for i in range(40)]
+    _check_penalties(reqs + more, vocab)
+    assert book.rows.capacity >= 44
+    for r in reqs + more:
+        r.finish = FinishReason(FinishKind.STOP)
+    plain = _req("plain", [1])
+    batch_mod.build_sampling_info([plain], vocab, (), dev)  # no penalties: finished state goes away
+    assert (dev, vocab) not in batch_mod._BOOKS
+
+
+# ---- draw: one device read -----------------------------------------------------------------------
+def _mixed_batch() -> list[Req]:
+    reqs = [_req("greedy", [1, 2, 3], temperature=0.0),
+            _req("topk_topp", [4, 5], seed=7, temperature=0.8, top_p=0.9, top_k=20),
+            _req("penalties", [6, 7, 6], seed=8, repetition_penalty=1.2, frequency_penalty=0.3,
+                 presence_penalty=0.2),
+            _req("min_new", [8], seed=9, temperature=1.0, min_new_tokens=5, stop_token_ids=[3],
+                 min_p=0.05),
+            _req("logprobs", [9, 10], seed=10, temperature=1.1)]
+    reqs[2].output_ids += [6, 11, 11]
+    reqs[4].return_logprob, reqs[4].top_logprobs_num = True, 3
+    return reqs
+
+
+def test_draw_reads_the_device_exactly_once(monkeypatch):
+    vocab = 64
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0))
+    reqs = _mixed_batch()
+    expected = batch_mod.draw(logits, reqs, reqs, vocab, (2,), TPGroup())
+    reqs = _mixed_batch()  # fresh penalty state: the draw below also creates it
+
+    fetched = []
+    inside_fetch = [False]
+    real_fetch, real_tolist = device_io.fetch, torch.Tensor.tolist
+
+    def fetch(x):
+        fetched.append(tuple(x.shape))
+        inside_fetch[0] = True
+        try:
+            return real_fetch(x)
+        finally:
+            inside_fetch[0] = False
+
+    def tolist(self):
+        if not inside_fetch[0]:
+            raise AssertionError("Tensor.tolist outside device_io.fetch")
+        return real_tolist(self)
+
+    def forbidden(name):
+        def read(self, *args):
+            raise AssertionError(f"Tensor.{name} reads the device")
+        return read
+
+    monkeypatch.setattr(device_io, "fetch", fetch)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    for name in ("item", "__bool__", "__int__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden(name))
+    got = batch_mod.draw(logits, reqs, reqs, vocab, (2,), TPGroup())
+    monkeypatch.undo()
+    assert fetched == [(5, 1 + 1 + 2 * 3)]
+    assert got == expected
+    # what the packed transfer carried is what sample() computed
+    info = batch_mod.build_sampling_info(_mixed_batch(), vocab, (2,), torch.device("cpu"))
+    out = sample(logits, info, True, 3)
+    assert got.ids == out.next_ids.tolist()
+    assert got.logprobs == out.logprobs.tolist()
+    assert got.top_logprobs == out.top_logprobs.tolist() and got.top_ids == out.top_ids.tolist()
+    assert got.ids[0] == int(logits[0].argmax())
+    assert got.ids[3] not in (2, 3)  # min_new_tokens bans eos and the stop token
+
+
+def test_draw_without_logprobs_fetches_ids_only(monkeypatch):
+    fetched = []
+    real_fetch = device_io.fetch
+    monkeypatch.setattr(device_io, "fetch", lambda x: fetched.append(tuple(x.shape)) or real_fetch(x))
+    reqs = [_req("a", [1], temperature=0.0), _req("b", [2], seed=3)]
+    got = batch_mod.draw(torch.randn(2, 16), reqs, reqs, 16, (), TPGroup())
+    assert fetched == [(2, 1)]
+    assert got.logprobs is None and got.top_logprobs is None and got.top_ids is None
+    assert all(isinstance(t, int) for t in got.ids)
+
+
+def test_sampler_benchmark_runs(capsys):
+    from pdserve.bench import sampler as bench
+
+    bench.main(["--batch", "4", "--vocab", "300", "--iters", "1", "--device", "cpu", "--prompt-len", "8",
+                "--output-len", "4"])
+    out = capsys.readouterr().out
+    for case in bench.CASES:
+        assert case in out
+    assert "(same ids)" in out  # greedy: the legacy and the new sampler agree
