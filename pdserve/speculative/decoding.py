@@ -39,6 +39,10 @@ class DrawView:
         self._req = req
         self._path = path
         self.num_output_tokens = len(req.output_ids) + len(path)
+        # The sampler's penalty state counts the request's committed output once and
+        # adds the path's tokens on top for this draw only.
+        self.base = req
+        self.extra_ids = path
 
     @property
     def output_ids(self) -> list[int]:
