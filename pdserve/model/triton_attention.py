@@ -66,6 +66,18 @@ def _store_kv_kernel(k_buf, v_buf, loc, k, v,
 
 
 @triton.jit
+def _load_kv(req_to_token, k_buf, v_buf, row, pos, ok, kv_head, d, d_ok,
+             s_rr, s_rp, s_ks, s_kh, s_vs, s_vh):
+    """K and V (fp32) of positions ``pos`` of request-table ``row``, one KV head;
+    masked positions read slot 0 and load zeros."""
+    slot = tl.load(req_to_token + row * s_rr + pos * s_rp, mask=ok, other=0)
+    kv_mask = ok[:, None] & d_ok[None, :]
+    kb = tl.load(k_buf + slot[:, None] * s_ks + kv_head * s_kh + d[None, :], mask=kv_mask, other=0.0)
+    vb = tl.load(v_buf + slot[:, None] * s_vs + kv_head * s_vh + d[None, :], mask=kv_mask, other=0.0)
+    return kb.to(tl.float32), vb.to(tl.float32)
+
+
+@triton.jit
 def _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
     """One block of keys of an online softmax (base 2). Rows with nothing visible
     yet keep m = -inf; m_safe keeps them free of inf - inf."""
@@ -112,12 +124,9 @@ def _decode_split_kernel(q, k_buf, v_buf, req_to_token, rows, seq_lens, ws_out, 
     for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < hi
-        slot = tl.load(req_to_token + row * s_rr + pos * s_rp, mask=ok, other=0)
-        kv_mask = ok[:, None] & d_ok[None, :]
-        kb = tl.load(k_buf + slot[:, None] * s_ks + kv_head * s_kh + d[None, :], mask=kv_mask, other=0.0)
-        vb = tl.load(v_buf + slot[:, None] * s_vs + kv_head * s_vh + d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _softmax_step(qv, kb.to(tl.float32), vb.to(tl.float32), ok[None, :],
-                                      m_i, l_i, acc, qk_scale, DOT_PREC)
+        kb, vb = _load_kv(req_to_token, k_buf, v_buf, row, pos, ok, kv_head, d, d_ok,
+                          s_rr, s_rp, s_ks, s_kh, s_vs, s_vh)
+        m_i, l_i, acc = _softmax_step(qv, kb, vb, ok[None, :], m_i, l_i, acc, qk_scale, DOT_PREC)
 
     has = l_i > 0.0  # false for an empty chunk: output 0 and lse -inf, a neutral partial
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -178,12 +187,9 @@ def _extend_kernel(q, k_buf, v_buf, out, req_to_token, rows, prefix_lens, extend
     for start in range(0, pre, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < pre
-        slot = tl.load(req_to_token + row * s_rr + pos * s_rp, mask=ok, other=0)
-        kv_mask = ok[:, None] & d_ok[None, :]
-        kb = tl.load(k_buf + slot[:, None] * s_ks + kv_head * s_kh + d[None, :], mask=kv_mask, other=0.0)
-        vb = tl.load(v_buf + slot[:, None] * s_vs + kv_head * s_vh + d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _softmax_step(qv, kb.to(tl.float32), vb.to(tl.float32), ok[None, :],
-                                      m_i, l_i, acc, qk_scale, DOT_PREC)
+        kb, vb = _load_kv(req_to_token, k_buf, v_buf, row, pos, ok, kv_head, d, d_ok,
+                          s_rr, s_rp, s_ks, s_kh, s_vs, s_vh)
+        m_i, l_i, acc = _softmax_step(qv, kb, vb, ok[None, :], m_i, l_i, acc, qk_scale, DOT_PREC)
 
     # Phase 2: the new keys j (stored at positions pre + j), under the causal or custom mask.
     if USE_MASK:
@@ -194,17 +200,14 @@ def _extend_kernel(q, k_buf, v_buf, out, req_to_token, rows, prefix_lens, extend
     for start in range(0, new_hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         ok = j < ext
-        slot = tl.load(req_to_token + row * s_rr + (pre + j) * s_rp, mask=ok, other=0)
-        kv_mask = ok[:, None] & d_ok[None, :]
-        kb = tl.load(k_buf + slot[:, None] * s_ks + kv_head * s_kh + d[None, :], mask=kv_mask, other=0.0)
-        vb = tl.load(v_buf + slot[:, None] * s_vs + kv_head * s_vh + d[None, :], mask=kv_mask, other=0.0)
+        kb, vb = _load_kv(req_to_token, k_buf, v_buf, row, pre + j, ok, kv_head, d, d_ok,
+                          s_rr, s_rp, s_ks, s_kh, s_vs, s_vh)
         pair_ok = i_ok[:, None] & ok[None, :]
         if USE_MASK:
             visible = tl.load(custom_mask + mask_row[:, None] + j[None, :], mask=pair_ok, other=0) != 0
         else:
             visible = pair_ok & (j[None, :] <= i[:, None])
-        m_i, l_i, acc = _softmax_step(qv, kb.to(tl.float32), vb.to(tl.float32), visible,
-                                      m_i, l_i, acc, qk_scale, DOT_PREC)
+        m_i, l_i, acc = _softmax_step(qv, kb, vb, visible, m_i, l_i, acc, qk_scale, DOT_PREC)
 
     res = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out + (q0 + i[:, None]) * s_ot + head * s_oh + d[None, :], res.to(out.dtype.element_ty),
