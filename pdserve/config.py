@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from pdserve.chat_templates import BUILTIN_CHAT_TEMPLATES
+from pdserve.server.reasoning import REASONING_PARSERS
 
 
 class ConfigError(ValueError):
@@ -126,6 +127,9 @@ class ServerArgs:
     # The chat template of /v1/chat/completions instead of the tokenizer's: a Jinja file
     # or a built-in name (pdserve/chat_templates.py).
     chat_template: str | None = None
+    # Splits a chat answer's thinking (<think>...</think>) into `reasoning_content`
+    # (SGLang's names: pdserve/server/reasoning.py). None: the output is all content.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -156,10 +160,11 @@ class ServerArgs:
         for name, choices in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("load_format", LOAD_FORMATS),
-                              ("schedule_policy", SCHEDULE_POLICIES)):
+                              ("schedule_policy", SCHEDULE_POLICIES),
+                              ("reasoning_parser", (None, *REASONING_PARSERS))):
             value = getattr(self, name)
             if value not in choices:
-                raise bad(name, f"invalid choice {value!r} (choose from {', '.join(choices)})")
+                raise bad(name, f"invalid choice {value!r} (choose from {', '.join(c for c in choices if c)})")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise bad("device", "cuda was requested but no CUDA device is available")
         if self.tp_size < 1:
@@ -414,6 +419,7 @@ _FIELD_CHOICES = {
     "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "disaggregation_mode": DISAGGREGATION_MODES, "disaggregation_transfer_backend": TRANSFER_BACKENDS,
+    "reasoning_parser": tuple(REASONING_PARSERS),
 }
 _TYPE_CHECKS: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),

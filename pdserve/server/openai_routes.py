@@ -22,8 +22,9 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import NewRequest
 from pdserve.server.http_common import bootstrap_of, client_gone, client_rids, error_body, sse
 from pdserve.server.messages import TextUpdate
-from pdserve.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, from_value_error,
-                                     refuse_unsupported)
+from pdserve.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                     from_value_error, refuse_unsupported)
+from pdserve.server.reasoning import ReasoningParser, parser_for
 from pdserve.server.results import TokenTexts, chat_logprobs, completion_logprobs, openai_finish, usage
 from pdserve.server.tokenizer_manager import Job, RequestState, ServerUnavailable, TokenizerManager
 
@@ -32,7 +33,8 @@ CLIENT_ABORT = "aborted by the client"
 COMPLETION_FIELDS = ApiFields(max_new_tokens="max_tokens", min_new_tokens="min_tokens")
 
 OpenAIRequest = Union[CompletionRequest, ChatCompletionRequest]
-Choice = Callable[[RequestState, TextUpdate], Union[dict[str, Any], None]]
+# The choices (one per SSE chunk, none: nothing to send) of one update.
+Choice = Callable[[RequestState, TextUpdate], Union[dict[str, Any], list[dict[str, Any]], None]]
 
 
 # ---- from a body to scheduler messages ---------------------------------------------------
@@ -58,12 +60,18 @@ def check_completion_fields(req: CompletionRequest, served: Sequence[str]) -> No
         raise ApiError("logprobs: must be in [0, 20]", "logprobs")
     if req.echo and req.logprobs is not None:
         raise ApiError("echo: echo with logprobs (prompt logprobs) is not supported", "echo")
+    if req.separate_reasoning:
+        raise ApiError("separate_reasoning: reasoning is separated on /v1/chat/completions only",
+                       "separate_reasoning")
 
 
 def check_chat_fields(req: ChatCompletionRequest, served: Sequence[str], template_args: frozenset[str],
-                      allow_client_template: bool) -> None:
+                      allow_client_template: bool, reasoning_parser: str | None = None) -> None:
     refuse_unsupported(req)
     check_model(req.model, served)
+    if req.separate_reasoning and reasoning_parser is None:
+        raise ApiError("separate_reasoning: true needs a reasoning parser, and this server has none "
+                       "(it starts with --reasoning-parser to separate reasoning)", "separate_reasoning")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise ApiError("top_logprobs: must be in [0, 20]", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
@@ -139,8 +147,14 @@ def completion_requests(args: ServerArgs, builder: RequestBuilder, req: Completi
 
 def chat_prompt(builder: RequestBuilder, req: ChatCompletionRequest) -> str:
     """The conversation rendered by the chat template. Raises ValueError naming the field."""
+    return render_chat(builder, req.messages, req.chat_template_kwargs, add_generation_prompt=True)
+
+
+def render_chat(builder: RequestBuilder, chat: Sequence[ChatMessage], template_kwargs: dict[str, Any] | None,
+                add_generation_prompt: bool) -> str:
+    """`chat` rendered by the chat template (also /tokenize's). Raises ValueError naming the field."""
     messages = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(chat):
         if isinstance(m.content, list):
             if any(part.type != "text" for part in m.content):
                 raise ValueError("messages: only text content parts are supported")
@@ -152,8 +166,8 @@ def chat_prompt(builder: RequestBuilder, req: ChatCompletionRequest) -> str:
     # Before rendering: the conversation alone (each message at least its role and content).
     builder.check_chars(sum(len(m["role"]) + len(m["content"]) for m in messages), "messages", "the conversation's ")
     try:
-        prompt_text = builder.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                            **(req.chat_template_kwargs or {}))
+        prompt_text = builder.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                            tokenize=False, **(template_kwargs or {}))
     except Exception as exc:  # a template that rejects the conversation
         raise ValueError(f"messages: the chat template failed: {exc}") from None
     if not isinstance(prompt_text, str):
@@ -220,27 +234,54 @@ class CompletionChunks:
                 "finish_reason": finish}
 
 
+def chat_message(text: str, parser: ReasoningParser | None) -> dict[str, Any]:
+    """The assistant message of a whole answer; with a reasoning parser its thinking goes
+    to `reasoning_content` (null when there was none)."""
+    if parser is None:
+        return {"role": "assistant", "content": text}
+    reasoning, content = parser.parse(text)
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+
+
 class ChatChunks:
-    """Choices of a streamed chat completion: a sample's first delta carries the role."""
+    """Choices of a streamed chat completion: a sample's first delta carries the role.
+    With a reasoning parser (`new_parser` makes one per sample), reasoning and content
+    of one update go as two choices, the reasoning first; the update's logprobs ride on
+    the first, its finish reason on the last."""
 
-    def __init__(self, texts: TokenTexts | None) -> None:
+    def __init__(self, texts: TokenTexts | None,
+                 new_parser: Callable[[], ReasoningParser | None] = lambda: None) -> None:
         self.texts = texts    # None: logprobs not asked for
-        self.started: set[int] = set()
+        self.new_parser = new_parser
+        self.parsers: dict[int, ReasoningParser | None] = {}  # sample index -> its parser
 
-    def __call__(self, state: RequestState, update: TextUpdate) -> dict[str, Any] | None:
+    def __call__(self, state: RequestState, update: TextUpdate) -> list[dict[str, Any]]:
         s = state.samples[update.token.index]
-        delta: dict[str, Any] = {}
-        if s.index not in self.started:
-            self.started.add(s.index)
-            delta["role"] = "assistant"
-        if update.text_delta or "role" in delta:
-            delta["content"] = update.text_delta
+        first = s.index not in self.parsers
+        if first:
+            self.parsers[s.index] = self.new_parser()
+        parser = self.parsers[s.index]
+        finish = openai_finish(update.token.finish)
+        if parser is None:
+            reasoning, content = "", update.text_delta
+        else:
+            reasoning, content = parser.feed(update.text_delta)
+            if update.token.finish is not None:
+                r, c = parser.flush()
+                reasoning, content = reasoning + r, content + c
+        deltas = ([{"reasoning_content": reasoning}] if reasoning else []) + \
+            ([{"content": content}] if content else [])
+        if first:  # the role goes with the first piece (an empty content when there is none yet)
+            deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}, *deltas[1:]]
         lp = {"content": chat_logprobs(self.texts, update.token.new_ids, update.token.new_logprobs,
                                        update.token.new_top_logprobs)} if self.texts is not None else None
-        finish = openai_finish(update.token.finish)
-        if not (delta or finish or lp):
-            return None
-        return {"index": s.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if not deltas and (finish or lp):
+            deltas.append({})
+        choices = [{"index": s.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if choices:
+            choices[0]["logprobs"] = lp
+            choices[-1]["finish_reason"] = finish
+        return choices
 
 
 async def openai_events(manager: TokenizerManager, job: Job, head: dict[str, Any], include_usage: bool,
@@ -250,8 +291,8 @@ async def openai_events(manager: TokenizerManager, job: Job, head: dict[str, Any
     try:
         async for state, update in manager.stream(job):
             c = choice(state, update)
-            if c is not None:
-                yield sse({**head, "choices": [c]})
+            for one in (c if isinstance(c, list) else [] if c is None else [c]):
+                yield sse({**head, "choices": [one]})
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage(job.states)})
     except ServerUnavailable as exc:
@@ -306,7 +347,8 @@ class OpenAIRoutes:
         return JSONResponse({**head, "choices": choices, "usage": usage(job.states)})
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Response:
-        check_chat_fields(req, self.model_names, self.template_args, self.args.allow_client_chat_template)
+        check_chat_fields(req, self.model_names, self.template_args, self.args.allow_client_chat_template,
+                          self.args.reasoning_parser)
         try:
             with self.manager.preparing_rids(client_rids(req.rid)):
                 requests = await self.manager.off_loop(chat_requests, self.args, self.manager.builder, req)
@@ -315,11 +357,14 @@ class OpenAIRoutes:
             raise from_value_error(exc) from None
         head = self._head(f"chatcmpl-{job.states[0].rid}", "chat.completion")
         token_texts = self.texts if req.logprobs else None
+        def new_parser() -> ReasoningParser | None:
+            return parser_for(self.args.reasoning_parser, req.separate_reasoning, req.chat_template_kwargs)
         if req.stream:
-            return self._stream(job, dict(head, object="chat.completion.chunk"), req, ChatChunks(token_texts))
+            return self._stream(job, dict(head, object="chat.completion.chunk"), req,
+                                ChatChunks(token_texts, new_parser))
         await self.manager.wait(job, client_gone(request))
         raise_server_abort(job)
-        choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
+        choices = [{"index": s.index, "message": chat_message(s.text, new_parser()),
                     "logprobs": {"content": chat_logprobs(token_texts, s.output_ids, s.logprobs, s.top_logprobs)}
                     if token_texts is not None else None,
                     "finish_reason": openai_finish(s.finish)} for s in job.states[0].samples]

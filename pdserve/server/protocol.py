@@ -75,8 +75,10 @@ class SGLangExtensions(_Strict):
     bootstrap_host: Optional[Union[str, list[str]]] = None
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
     bootstrap_room: Optional[Union[int, list[int]]] = None
-    # Accepted and without effect on the tokens (SGLang's router sends them).
+    # Chat only: the thinking in `reasoning_content` (default: when --reasoning-parser is
+    # set) or left in `content` (false); true without a parser is refused.
     separate_reasoning: Optional[bool] = None
+    # Accepted and without effect on the tokens (SGLang's router sends them).
     stream_reasoning: Optional[bool] = None
     spaces_between_special_tokens: Optional[bool] = None
     # Changes the prompt, so results: variables of the chat template (e.g. enable_thinking).
@@ -169,6 +171,24 @@ class ChatCompletionRequest(SGLangExtensions):
     prediction: Optional[Any] = None
     web_search_options: Optional[Any] = None
     reasoning_effort: Optional[str] = None
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (SGLang's and vLLM's shape): a prompt, or messages rendered by the
+    chat template."""
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    # Default: true for a prompt, false for messages (the template writes its own).
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize: token ids back to text."""
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 class GenerateRequest(_Strict):
