@@ -1,6 +1,7 @@
 """The FastAPI app of the HTTP process: error handlers, the key check and body limit of
 `http_front`, and the routes of `service_routes` (health, info, metrics, aborts),
-`openai_routes` (/v1/...) and `native_routes` (/generate). Every error leaves as
+`openai_routes` (/v1/...), `native_routes` (/generate) and `tokenize_routes`
+(/tokenize, /detokenize). Every error leaves as
 OpenAI's error body."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pdserve.server.native_routes import NativeRoutes
 from pdserve.server.openai_routes import OpenAIRoutes
 from pdserve.server.protocol import ApiError
 from pdserve.server.service_routes import ServiceRoutes
+from pdserve.server.tokenize_routes import TokenizeRoutes
 from pdserve.server.tokenizer_manager import ClientGone, ServerUnavailable, TokenizerManager
 
 
@@ -37,6 +39,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_names: Sequenc
     ServiceRoutes(args, manager, model_names, server_info).register(app)
     NativeRoutes(args, manager).register(app)
     OpenAIRoutes(args, manager, model_names).register(app)
+    TokenizeRoutes(args, manager, model_names).register(app)
     return app
 
 

@@ -1,0 +1,78 @@
+"""POST /tokenize and /detokenize in SGLang's and vLLM's shapes, with the server's own
+tokenizer and chat template (what /v1/chat/completions would feed the model)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fastapi import FastAPI
+
+from pdserve.config import ServerArgs
+from pdserve.server.openai_routes import check_chat_template_kwargs, check_model, render_chat, template_call_args
+from pdserve.server.protocol import ApiError, DetokenizeRequest, TokenizeRequest, from_value_error
+from pdserve.server.tokenizer_manager import TokenizerManager
+from pdserve.requests import check_text
+
+
+def tokenize(args: ServerArgs, manager: TokenizerManager, req: TokenizeRequest,
+             template_args: frozenset[str]) -> list[int]:
+    """The token ids of a prompt, or of messages rendered by the chat template (with the
+    generation prompt unless `add_generation_prompt` is false). Raises ValueError naming
+    the field."""
+    b = manager.builder
+    if (req.prompt is None) == (req.messages is None):
+        raise ValueError("prompt: exactly one of prompt and messages must be given")
+    if req.prompt is not None:
+        if req.chat_template_kwargs:
+            raise ValueError("chat_template_kwargs: applies to messages only")
+        b.check_chars(len(req.prompt), "prompt")
+        check_text(req.prompt, "prompt")
+        text = req.prompt
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+    else:
+        if not req.messages:
+            raise ValueError("messages: must not be empty")
+        check_chat_template_kwargs(req.chat_template_kwargs or {}, template_args, args.allow_client_chat_template)
+        text = render_chat(b, req.messages, req.chat_template_kwargs, req.add_generation_prompt)
+        special = bool(req.add_special_tokens)  # the template writes its own special tokens
+    return list(b.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def detokenize(manager: TokenizerManager, tokens: Sequence[int]) -> str:
+    """The text of `tokens`. Raises ValueError naming the field."""
+    vocab = manager.builder.vocab_size
+    for i, t in enumerate(tokens):
+        if not 0 <= t < vocab:
+            raise ValueError(f"tokens: tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
+    try:
+        return manager.tokenizer.decode(list(tokens))
+    except Exception as exc:  # an id the model has but the tokenizer cannot map
+        raise ValueError(f"tokens: cannot be decoded: {exc}") from None
+
+
+class TokenizeRoutes:
+    def __init__(self, args: ServerArgs, manager: TokenizerManager, model_names: Sequence[str]) -> None:
+        self.args = args
+        self.manager = manager
+        self.model_names = tuple(model_names)
+        self.template_args = template_call_args(manager.tokenizer)
+
+    def register(self, app: FastAPI) -> None:
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        check_model(req.model, self.model_names)
+        try:
+            ids = await self.manager.off_loop(tokenize, self.args, self.manager, req, self.template_args)
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.manager.builder.context_len}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        check_model(req.model, self.model_names)
+        try:
+            text = await self.manager.off_loop(detokenize, self.manager, req.tokens)
+        except ValueError as exc:
+            raise ApiError(str(exc), "tokens") from None
+        return {"prompt": text}
