@@ -1,5 +1,6 @@
 """The router's HTTP front: the servers' OpenAI and native routes in front of the
-workers, plus health, aggregated server info, metrics and aborts.
+workers, plus health, aggregated server info, metrics, aborts and /tokenize + /detokenize
+(passed to any healthy worker: each holds the tokenizer).
 
 The router validates only what its own work depends on, before doing any (limits.py:
 body size and nesting depth, `n`, `rid`, samples per request) and refuses the fields it
@@ -273,6 +274,33 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type", "application/json"))
         return _error(f"no healthy {role} worker answered {path}", 503)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _post_to_answering_worker("/tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _post_to_answering_worker("/detokenize", request)
+
+    async def _post_to_answering_worker(path: str, request: Request) -> Response:
+        """A route any worker answers alike (each holds the tokenizer; in PD mode a decode
+        worker, else a prefill one): the body goes as it came, within the body limit, and
+        the worker's answer (its 400s included) comes back as it is."""
+        try:
+            body = await read_body(request, cfg.max_request_bytes)
+        except Refusal as exc:
+            return _error(exc.message, exc.status, exc.param)
+        for role in reversed(router.roles):
+            for w in registry.healthy(role):
+                try:
+                    r = await w.client.post(w.url + path, content=body, timeout=INFO_TIMEOUT_S,
+                                            headers={**router.worker_headers, "content-type": "application/json"})
+                except httpx.HTTPError:
+                    continue
+                return Response(r.content, status_code=r.status_code,
+                                media_type=r.headers.get("content-type", "application/json"))
+        return _error(f"no healthy worker answered {path}", 503)
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:

@@ -113,6 +113,19 @@ def assert_quiet(label: str, out: str, ready: str) -> None:
     assert len(ready_lines) == 1 and ready in ready_lines[0], f"{label}: ready lines {ready_lines}:\n{out}"
 
 
+def test_tokenize_and_detokenize_through_the_pd_router(deployment):
+    """Either worker holds the tokenizer: the router's answer is theirs."""
+    p, d, r = deployment
+    for body in ({"prompt": "count to three"}, {"messages": MESSAGES}):
+        via = r.client.post("/tokenize", json=body)
+        assert via.status_code == 200, via.text
+        assert via.json() == d.client.post("/tokenize", json=body).json() == p.client.post("/tokenize", json=body).json()
+        back = r.client.post("/detokenize", json={"tokens": via.json()["tokens"]})
+        assert back.status_code == 200, back.text
+        assert back.json() == d.client.post("/detokenize", json={"tokens": via.json()["tokens"]}).json()
+    assert r.client.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+
+
 def test_default_log_level_is_quiet(deployment):
     """Run after the requests above (a KV transfer each); stops the deployment so that the
     shutdown is covered too."""
