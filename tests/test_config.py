@@ -270,3 +270,15 @@ def test_chat_template_file_or_builtin_name(tmp_path):
     assert msg.startswith("--chat-template:") and "nope.jinja" in msg and "chatml" in msg
     with pytest.raises(ConfigError, match="--chat-template"):
         ServerArgs(chat_template=str(tmp_path))  # a directory is not a template
+
+
+def test_reasoning_parser_names():
+    assert ServerArgs().reasoning_parser is None
+    for name in ("qwen3", "deepseek-r1"):
+        assert ServerArgs.from_cli(["--reasoning-parser", name]).reasoning_parser == name
+        assert ServerArgs(reasoning_parser=name).reasoning_parser == name
+    for make in (lambda: ServerArgs.from_cli(["--reasoning-parser", "qwen2"]),
+                 lambda: ServerArgs(reasoning_parser="qwen2")):
+        with pytest.raises(ConfigError) as e:
+            make()
+        assert "--reasoning-parser" in str(e.value) and "qwen3" in str(e.value) and "deepseek-r1" in str(e.value)
