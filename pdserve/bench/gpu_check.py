@@ -67,7 +67,11 @@ def param_bytes(spec: tuple) -> int:
 
 
 class Report:
-    def __init__(self) -> None:
+    """Results so far, written to ``out`` after every section (a run cut short by
+    its timeout still leaves what it measured)."""
+
+    def __init__(self, out: str | None) -> None:
+        self.out = out
         self.results: dict[str, Any] = {}
         self.lines: list[str] = []
 
@@ -90,13 +94,14 @@ class Report:
             self.say(traceback.format_exc())
         entry["seconds"] = round(time.perf_counter() - start, 1)
         self.say(f"-- {name}: {'ok' if entry['ok'] else 'FAILED'} ({entry['seconds']} s)")
+        self.save()
 
-    def save(self, out: str | None) -> None:
-        if not out:
+    def save(self) -> None:
+        if not self.out:
             return
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "gpu_check.json").write_text(json.dumps(self.results, indent=1))
-        Path(out, "gpu_check.txt").write_text("\n".join(self.lines) + "\n")
+        Path(self.out).mkdir(parents=True, exist_ok=True)
+        Path(self.out, "gpu_check.json").write_text(json.dumps(self.results, indent=1))
+        Path(self.out, "gpu_check.txt").write_text("\n".join(self.lines) + "\n")
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeat: int = 5) -> float:
@@ -384,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     skip = set(filter(None, args.skip.split(",")))
-    rep = Report()
+    rep = Report(args.out)
     rep.say(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch "
             f"{torch.__version__}")
     from pdserve import assets
@@ -411,10 +416,9 @@ def main(argv: list[str] | None = None) -> None:
                 model_dir = write_config(Path(tmp, name), spec)
                 with rep.section(f"speed {name}") as entry:
                     check_speed(rep, entry, name, spec, model_dir, tokenizer, device, args.smoke, bandwidth, flops)
-    rep.save(args.out)
     failed = [k for k, v in rep.results.items() if isinstance(v, dict) and v.get("ok") is False]
     rep.say("all sections ok" if not failed else f"FAILED: {', '.join(failed)}")
-    rep.save(args.out)
+    rep.save()
 
 
 if __name__ == "__main__":
