@@ -263,44 +263,42 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
     async def model_info() -> Response:
         return await _from_answering_worker("/get_model_info")
 
-    async def _from_answering_worker(path: str) -> Response:
-        """A read-only route every worker answers alike: ask a healthy decode worker."""
-        role = router.roles[-1]
-        for w in registry.healthy(role):
-            try:
-                r = await w.client.get(w.url + path, headers=router.worker_headers, timeout=INFO_TIMEOUT_S)
-            except httpx.HTTPError:
-                continue
-            return Response(r.content, status_code=r.status_code,
-                            media_type=r.headers.get("content-type", "application/json"))
-        return _error(f"no healthy {role} worker answered {path}", 503)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await _post_to_answering_worker("/tokenize", request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await _post_to_answering_worker("/detokenize", request)
-
-    async def _post_to_answering_worker(path: str, request: Request) -> Response:
-        """A route any worker answers alike (each holds the tokenizer; in PD mode a decode
-        worker, else a prefill one): the body goes as it came, within the body limit, and
-        the worker's answer (its 400s included) comes back as it is."""
-        try:
-            body = await read_body(request, cfg.max_request_bytes)
-        except Refusal as exc:
-            return _error(exc.message, exc.status, exc.param)
-        for role in reversed(router.roles):
+    async def _from_answering_worker(path: str, roles: tuple[str, ...] | None = None,
+                                     body: bytes | None = None) -> Response:
+        """A route every worker answers alike: the first healthy worker of `roles` (by
+        default the decode role) that answers; with `body`, a POST of it as it came."""
+        roles = roles or router.roles[-1:]
+        for role in roles:
             for w in registry.healthy(role):
                 try:
-                    r = await w.client.post(w.url + path, content=body, timeout=INFO_TIMEOUT_S,
-                                            headers={**router.worker_headers, "content-type": "application/json"})
+                    if body is None:
+                        r = await w.client.get(w.url + path, headers=router.worker_headers, timeout=INFO_TIMEOUT_S)
+                    else:
+                        r = await w.client.post(w.url + path, content=body, timeout=INFO_TIMEOUT_S,
+                                                headers={**router.worker_headers, "content-type": "application/json"})
                 except httpx.HTTPError:
                     continue
                 return Response(r.content, status_code=r.status_code,
                                 media_type=r.headers.get("content-type", "application/json"))
-        return _error(f"no healthy worker answered {path}", 503)
+        return _error(f"no healthy {' or '.join(roles)} worker answered {path}", 503)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _to_any_worker("/tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _to_any_worker("/detokenize", request)
+
+    async def _to_any_worker(path: str, request: Request) -> Response:
+        """Every worker holds the tokenizer: a decode worker answers (in PD mode a prefill
+        one when none does); the body goes as it came, within the body limit, and the
+        worker's answer (its 400s included) comes back as it is."""
+        try:
+            body = await read_body(request, cfg.max_request_bytes)
+        except Refusal as exc:
+            return _error(exc.message, exc.status, exc.param)
+        return await _from_answering_worker(path, tuple(reversed(router.roles)), body)
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict[str, Any]:

@@ -69,29 +69,28 @@ class ReasoningParser:
                     self.buffer = head[len(THINK_START):]
                     self.state = _REASONING
             elif self.state == _BEFORE:
-                i = self.buffer.find(THINK_START)
-                if i >= 0:
-                    content.append(self.buffer[:i])
-                    self.buffer = self.buffer[i + len(THINK_START):]
-                    self.state = _REASONING
-                    continue
-                keep = _partial_suffix(self.buffer, THINK_START)
-                content.append(self.buffer[:len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep:]
-                break
+                if not self._take_until(THINK_START, content):
+                    break
+                self.state = _REASONING
             else:  # _REASONING
-                i = self.buffer.find(THINK_END)
-                if i >= 0:
-                    reasoning.append(self.buffer[:i])
-                    self.buffer = self.buffer[i + len(THINK_END):]
-                    self.state = _CONTENT
-                    self.strip_content = True
-                    continue
-                keep = _partial_suffix(self.buffer, THINK_END)
-                reasoning.append(self.buffer[:len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep:]
-                break
+                if not self._take_until(THINK_END, reasoning):
+                    break
+                self.state = _CONTENT
+                self.strip_content = True
         return "".join(reasoning), "".join(content)
+
+    def _take_until(self, tag: str, out: list[str]) -> bool:
+        """Moves the buffer's text before `tag` to `out` and drops the tag: True. Without
+        the tag, moves all but a possible start of it (kept for the next piece): False."""
+        i = self.buffer.find(tag)
+        if i >= 0:
+            out.append(self.buffer[:i])
+            self.buffer = self.buffer[i + len(tag):]
+            return True
+        cut = len(self.buffer) - _partial_suffix(self.buffer, tag)
+        out.append(self.buffer[:cut])
+        self.buffer = self.buffer[cut:]
+        return False
 
     def flush(self) -> tuple[str, str]:
         """At the end of the output: what was held back, in the part it was held in (an
