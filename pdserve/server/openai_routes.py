@@ -60,18 +60,15 @@ def check_completion_fields(req: CompletionRequest, served: Sequence[str]) -> No
         raise ApiError("logprobs: must be in [0, 20]", "logprobs")
     if req.echo and req.logprobs is not None:
         raise ApiError("echo: echo with logprobs (prompt logprobs) is not supported", "echo")
-    if req.separate_reasoning:
-        raise ApiError("separate_reasoning: reasoning is separated on /v1/chat/completions only",
-                       "separate_reasoning")
 
 
 def check_chat_fields(req: ChatCompletionRequest, served: Sequence[str], template_args: frozenset[str],
-                      allow_client_template: bool, reasoning_parser: str | None = None) -> None:
+                      allow_client_template: bool) -> None:
     refuse_unsupported(req)
     check_model(req.model, served)
-    if req.separate_reasoning and reasoning_parser is None:
-        raise ApiError("separate_reasoning: true needs a reasoning parser, and this server has none "
-                       "(it starts with --reasoning-parser to separate reasoning)", "separate_reasoning")
+    if req.stream_reasoning is False:
+        raise ApiError("stream_reasoning: false (the reasoning held back and sent in one piece) is not "
+                       "supported; reasoning_content is streamed as it is generated", "stream_reasoning")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise ApiError("top_logprobs: must be in [0, 20]", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
@@ -347,8 +344,7 @@ class OpenAIRoutes:
         return JSONResponse({**head, "choices": choices, "usage": usage(job.states)})
 
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Response:
-        check_chat_fields(req, self.model_names, self.template_args, self.args.allow_client_chat_template,
-                          self.args.reasoning_parser)
+        check_chat_fields(req, self.model_names, self.template_args, self.args.allow_client_chat_template)
         try:
             with self.manager.preparing_rids(client_rids(req.rid)):
                 requests = await self.manager.off_loop(chat_requests, self.args, self.manager.builder, req)

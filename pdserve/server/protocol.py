@@ -75,11 +75,13 @@ class SGLangExtensions(_Strict):
     bootstrap_host: Optional[Union[str, list[str]]] = None
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
     bootstrap_room: Optional[Union[int, list[int]]] = None
-    # Chat only: the thinking in `reasoning_content` (default: when --reasoning-parser is
-    # set) or left in `content` (false); true without a parser is refused.
+    # Chat with --reasoning-parser: the thinking in `reasoning_content` (true, the default)
+    # or left in `content` (false). As in SGLang, whose router sends true with every
+    # request, there is nothing to separate without a parser (nor on completions).
     separate_reasoning: Optional[bool] = None
-    # Accepted and without effect on the tokens (SGLang's router sends them).
+    # Chat: reasoning_content is streamed as generated (true, the default); false is refused.
     stream_reasoning: Optional[bool] = None
+    # Accepted and without effect on the tokens (SGLang's router sends it).
     spaces_between_special_tokens: Optional[bool] = None
     # Changes the prompt, so results: variables of the chat template (e.g. enable_thinking).
     # Its key "chat_template" (a client's own Jinja) is refused unless

@@ -98,18 +98,28 @@ def test_separate_reasoning_must_be_a_boolean(server):
     assert_openai_error(chat(server.client, separate_reasoning="yes"), 400, ("separate_reasoning",))
 
 
+def test_stream_reasoning_false_is_refused_true_accepted(server):
+    assert_openai_error(chat(server.client, stream_reasoning=False), 400, ("stream_reasoning",))
+    r = chat(server.client, stream_reasoning=True)
+    assert r.status_code == 200, r.text
+
+
 # ---- reasoning: no parser, qwen3 ----------------------------------------------------------------
-def test_without_a_parser_separate_reasoning_true_is_refused(start_server, llama_dir, template_file):
+def test_without_a_parser_separate_reasoning_changes_nothing(start_server, llama_dir, template_file):
+    # SGLang's router sends separate_reasoning: true with every request; without a parser
+    # there is nothing to separate: the same answer, all of it content.
     s = start_server(llama_dir, "--max-total-tokens", "2048", "--chat-template", str(template_file))
     try:
-        err = assert_openai_error(chat(s.client, separate_reasoning=True), 400, ("separate_reasoning",))
-        assert "--reasoning-parser" in err["message"]
-        for body in ({}, {"separate_reasoning": False}):
+        answers = []
+        for body in ({}, {"separate_reasoning": False}, {"separate_reasoning": True}):
             r = chat(s.client, **body)
             assert r.status_code == 200, r.text
-            assert set(r.json()["choices"][0]["message"]) == {"role", "content"}
+            message = r.json()["choices"][0]["message"]
+            assert set(message) == {"role", "content"}
+            answers.append(message["content"])
+        assert answers[0] == answers[1] == answers[2]
         r = s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "separate_reasoning": True})
-        assert_openai_error(r, 400, ("separate_reasoning",))
+        assert r.status_code == 200, r.text
     finally:
         s.close()
 
