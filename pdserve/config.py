@@ -340,7 +340,8 @@ class ServerArgs:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.resolved_device().type == "cuda" else "torch_native"
+        on_cuda = self.resolved_device().type == "cuda"
+        return "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch_native"
 
     def use_cuda_graph(self) -> bool:
         return self.enable_cuda_graph and not self.disable_cuda_graph

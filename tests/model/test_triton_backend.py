@@ -83,6 +83,14 @@ def test_tp_on_cuda_and_wide_heads_are_refused(monkeypatch):
     with pytest.raises(ConfigError, match="--tp-size: tensor parallelism on CUDA is refused"):
         ServerArgs(device="cuda", tp_size=2)
     assert ServerArgs(device="cuda").resolved_attention_backend() == "triton"
+    # auto on CUDA without triton installed falls back to torch_native (triton named explicitly is refused).
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton"
+                        else real_find_spec(name, *a))
+    assert ServerArgs(device="cuda").resolved_attention_backend() == "torch_native"
+    with pytest.raises(ConfigError, match="--attention-backend: triton is not installed"):
+        ServerArgs(device="cuda", attention_backend="triton")
     from pdserve.model.triton_backend import TritonAttention
     with pytest.raises(ValueError, match="head_dim <= 256"):
         TritonAttention(None, 4, 2, 512)  # type: ignore[arg-type]
