@@ -18,12 +18,14 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from pdserve.model import device_io
 from pdserve.model.sampler import Penalties, apply_penalties, sample
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.batch import build_sampling_info
+from pdserve.scheduler.batch import Sampler
 from pdserve.scheduler.req import Req
 
 
@@ -153,9 +155,12 @@ def make_reqs(params: dict, args: argparse.Namespace, rng: random.Random) -> lis
     return reqs
 
 
-def new_step(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
-    info = build_sampling_info(reqs, logits.shape[-1], (), logits.device)
-    return device_io.fetch(sample(logits, info, False, 0).next_ids)
+def new_step(sampler: Sampler) -> Callable[[torch.Tensor, list[Req]], list[int]]:
+    """A step of the new sampler; one ``sampler`` across steps, as a scheduler keeps
+    one (its penalty state is incremental)."""
+    def step(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+        return device_io.fetch(sample(logits, sampler.sampling_info(reqs), False, 0).next_ids)
+    return step
 
 
 def legacy_step(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
@@ -166,7 +171,8 @@ def time_steps(logits: torch.Tensor, params: dict, args: argparse.Namespace) -> 
     """Median ms of one step of each implementation (after two warm-up steps),
     alternating them so that machine noise hits both; each step appends its tokens."""
     runs = {"legacy": (legacy_step, make_reqs(params, args, random.Random(args.seed)), []),
-            "new": (new_step, make_reqs(params, args, random.Random(args.seed)), [])}
+            "new": (new_step(Sampler(logits.shape[-1], (), logits.device)),
+                    make_reqs(params, args, random.Random(args.seed)), [])}
     ids: dict[str, list[int]] = {}
     for i in range(args.iters + 2):
         for name, (step, reqs, times) in runs.items():

@@ -76,50 +76,71 @@ class Draws:
                 req.output_top_logprobs.append(list(zip(self.top_logprobs[i][:k], self.top_ids[i][:k])))
 
 
-def draw(logits: torch.Tensor, rows: Sequence[Drawable], owners: Sequence[Req], vocab_size: int,
-         eos_ids: tuple[int, ...], tp: TPGroup) -> Draws:
-    """Sample one token per logits row; ``rows`` say what each row's request looks like
-    at that position, ``owners`` which requests ask for logprobs. Rank 0's draw is
-    broadcast so every TP rank emits the same token. The one device-to-host read:
-    ids, chosen logprobs and top logprobs packed into one float64 transfer (ids
-    < 2^31 are exact)."""
-    info = build_sampling_info(rows, vocab_size, eos_ids, logits.device)
-    want_lp = any(r.return_logprob for r in owners)
-    top_k = max((r.top_logprobs_num for r in owners), default=0)
-    result = sample(logits, info, want_lp, top_k)
-    cols = [tp.broadcast(result.next_ids).unsqueeze(1)]
-    if result.logprobs is not None:
-        cols.append(result.logprobs.unsqueeze(1))
-    if result.top_logprobs is not None and result.top_ids is not None:
-        cols += [result.top_logprobs, result.top_ids]
-    host = device_io.fetch(torch.cat([c.double() for c in cols], dim=1))
-    return Draws.unpack(host, result.logprobs is not None, top_k if result.top_logprobs is not None else 0)
+class Sampler:
+    """Draws a scheduler's tokens: its vocabulary, stop ids and TP group, and the device
+    penalty state of the requests it draws for (made on first use, dropped once no
+    request with penalties holds a slot)."""
 
+    def __init__(self, vocab_size: int, eos_ids: tuple[int, ...], device: torch.device,
+                 tp: TPGroup = TPGroup()) -> None:
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.device = device
+        self.tp = tp
+        self.book: _PenaltyBook | None = None
 
-def build_sampling_info(reqs: Sequence[Drawable], vocab_size: int, eos_ids: tuple[int, ...],
-                        device: torch.device) -> SamplingInfo:
-    """The sampler's inputs for ``reqs`` from their Python values: O(rows) scalar work
-    plus the tokens each request produced since its last draw; uploads only, no
-    device read."""
-    ps = [r.params for r in reqs]
-    info = make_sampling_info([p.temperature for p in ps], [p.top_p for p in ps], [p.top_k for p in ps],
-                              [p.min_p for p in ps], [row_key(r.seed, r.num_output_tokens) for r in reqs],
-                              vocab_size, device)
-    if any(p.needs_penalties for p in ps):
-        info.penalties = _penalties(reqs, vocab_size, device)
-    else:
-        _release_penalty_state(vocab_size, device)
-    banned = []
-    for i, r in enumerate(reqs):
-        p = r.params
-        if r.num_output_tokens < p.min_new_tokens:
-            ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(eos_ids)
-            banned += [i * vocab_size + t for t in ids if t < vocab_size]
-    if banned:
-        flat = torch.zeros(len(reqs) * vocab_size, dtype=torch.bool, device=device)
-        flat.index_fill_(0, device_io.upload(banned, torch.int64, device), True)
-        info.banned = flat.view(len(reqs), vocab_size)
-    return info
+    def draw(self, logits: torch.Tensor, rows: Sequence[Drawable], owners: Sequence[Req]) -> Draws:
+        """Sample one token per logits row; ``rows`` say what each row's request looks like
+        at that position, ``owners`` which requests ask for logprobs. Rank 0's draw is
+        broadcast so every TP rank emits the same token. The one device-to-host read:
+        ids, chosen logprobs and top logprobs packed into one float64 transfer (ids
+        < 2^31 are exact)."""
+        info = self.sampling_info(rows)
+        want_lp = any(r.return_logprob for r in owners)
+        top_k = max((r.top_logprobs_num for r in owners), default=0)
+        result = sample(logits, info, want_lp, top_k)
+        cols = [self.tp.broadcast(result.next_ids).unsqueeze(1)]
+        if result.logprobs is not None:
+            cols.append(result.logprobs.unsqueeze(1))
+        if result.top_logprobs is not None and result.top_ids is not None:
+            cols += [result.top_logprobs, result.top_ids]
+        host = device_io.fetch(torch.cat([c.double() for c in cols], dim=1))
+        return Draws.unpack(host, result.logprobs is not None, top_k if result.top_logprobs is not None else 0)
+
+    def sampling_info(self, reqs: Sequence[Drawable]) -> SamplingInfo:
+        """The sampler's inputs for ``reqs`` from their Python values: O(rows) scalar work
+        plus the tokens each request produced since its last draw; uploads only, no
+        device read."""
+        vocab_size, device = self.vocab_size, self.device
+        ps = [r.params for r in reqs]
+        info = make_sampling_info([p.temperature for p in ps], [p.top_p for p in ps], [p.top_k for p in ps],
+                                  [p.min_p for p in ps], [row_key(r.seed, r.num_output_tokens) for r in reqs],
+                                  vocab_size, device)
+        if any(p.needs_penalties for p in ps):
+            info.penalties = self.penalties(reqs)
+        elif self.book is not None:
+            self.book.release_finished()
+            if not self.book.held:
+                self.book = None
+        banned = []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if r.num_output_tokens < p.min_new_tokens:
+                ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(self.eos_ids)
+                banned += [i * vocab_size + t for t in ids if t < vocab_size]
+        if banned:
+            flat = torch.zeros(len(reqs) * vocab_size, dtype=torch.bool, device=device)
+            flat.index_fill_(0, device_io.upload(banned, torch.int64, device), True)
+            info.banned = flat.view(len(reqs), vocab_size)
+        return info
+
+    def penalties(self, reqs: Sequence[Drawable]) -> Penalties:
+        """Penalty inputs of ``reqs``: exactly what counting every row's output and marking
+        its prompt and output gives, from state kept on the device (rows without
+        penalties read the all-zero slot 0)."""
+        if self.book is None:
+            self.book = _PenaltyBook(self.vocab_size, self.device)
+        return _penalties(self.book, reqs, self.device)
 
 
 # ---- penalty state ----------------------------------------------------------------------------
@@ -148,7 +169,7 @@ class _Counted:
 
 
 class _PenaltyBook:
-    """Which slot of the device rows holds which request (one book per device and vocabulary)."""
+    """Which slot of the device rows holds which request (a Sampler's)."""
 
     def __init__(self, vocab: int, device: torch.device) -> None:
         self.rows = PenaltyRows(vocab, device)
@@ -174,18 +195,6 @@ class _PenaltyBook:
         return self.free.pop()
 
 
-_BOOKS: dict[tuple[torch.device, int], _PenaltyBook] = {}
-
-
-def _release_penalty_state(vocab_size: int, device: torch.device) -> None:
-    """Free the slots of finished requests; drop the device rows once none is held."""
-    book = _BOOKS.get((device, vocab_size))
-    if book is not None:
-        book.release_finished()
-        if not book.held:
-            del _BOOKS[(device, vocab_size)]
-
-
 def _committed(row: Drawable) -> tuple[Req | None, Sequence[int]]:
     """The request whose committed output ``row`` extends, and the tokens past it."""
     if isinstance(row, Req):
@@ -194,14 +203,8 @@ def _committed(row: Drawable) -> tuple[Req | None, Sequence[int]]:
     return (base, extra) if isinstance(base, Req) and extra is not None else (None, ())
 
 
-def _penalties(reqs: Sequence[Drawable], vocab_size: int, device: torch.device) -> Penalties:
-    """Penalty inputs of ``reqs``: exactly what counting every row's output and marking
-    its prompt and output gives, from state kept on the device (rows without
-    penalties read the all-zero slot 0)."""
-    key, v = (device, vocab_size), vocab_size
-    book = _BOOKS.get(key)
-    if book is None:
-        book = _BOOKS[key] = _PenaltyBook(vocab_size, device)
+def _penalties(book: _PenaltyBook, reqs: Sequence[Drawable], device: torch.device) -> Penalties:
+    v = book.rows.vocab
     book.release_finished()
     slots = [0] * len(reqs)
     reset: list[int] = []

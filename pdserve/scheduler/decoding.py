@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.model.runner import ForwardInput
-from pdserve.scheduler.batch import ScheduledBatch, StepOutput, draw
+from pdserve.scheduler.batch import ScheduledBatch, StepOutput
 from pdserve.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class PlainDecoding:
     def process(self, batch: ScheduledBatch, logits: torch.Tensor, out: StepOutput) -> None:
         sched = self.sched
         reqs = batch.sampling_reqs
-        draws = draw(logits, reqs, reqs, sched.vocab_size, sched.eos_ids, sched.tp)
+        draws = sched.sampler.draw(logits, reqs, reqs)
         for i, req in enumerate(reqs):
             draws.append_to(req, i)
             sched.settle(req, out, joining=False)

@@ -31,7 +31,7 @@ from pdserve.config import ServerArgs
 from pdserve.model.device_io import upload
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ForwardInput, ModelRunner
-from pdserve.scheduler.batch import ScheduledBatch, StepOutput, draw
+from pdserve.scheduler.batch import Sampler, ScheduledBatch, StepOutput
 from pdserve.scheduler.decoding import PlainDecoding
 from pdserve.scheduler.faults import FaultIsolation
 from pdserve.scheduler.kv_manager import KVManager, pages_for, size_kv_pages
@@ -76,6 +76,7 @@ class Scheduler(FaultIsolation):
         self.context_len = runner.context_len
         self.eos_ids = runner.config.eos_token_ids
         self.vocab_size = runner.config.vocab_size
+        self.sampler = Sampler(self.vocab_size, self.eos_ids, self.device, tp)
         num_pages = size_kv_pages(args, runner, tp)
         self.spec: EagleWorker | None = None
         self.decoding: PlainDecoding | EagleDecoding
@@ -326,7 +327,7 @@ class Scheduler(FaultIsolation):
         reqs = batch.sampling_reqs
         if reqs:
             rows = upload(batch.sampling_rows, torch.int64, logits.device)
-            draws = draw(logits[rows], reqs, reqs, self.vocab_size, self.eos_ids, self.tp)
+            draws = self.sampler.draw(logits[rows], reqs, reqs)
             for i, req in enumerate(reqs):
                 draws.append_to(req, i)
                 self.settle(req, out, joining=True)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.scheduler.batch import ScheduledBatch, StepOutput, draw
+from pdserve.scheduler.batch import ScheduledBatch, StepOutput
 from pdserve.scheduler.req import Req
 from pdserve.speculative.eagle_worker import EagleWorker
 
@@ -79,7 +79,7 @@ class EagleDecoding:
         # exactly the non-speculative output.
         views = [DrawView(r, path_tokens(tokens[b], parents[b], j)) for b, r in enumerate(reqs)
                  for j in range(nodes)]
-        draws = draw(logits, views, reqs, sched.vocab_size, sched.eos_ids, sched.tp)
+        draws = sched.sampler.draw(logits, views, reqs)
         for b, req in enumerate(reqs):
             base, n = b * nodes, req.kv_len
             path = spec.accept_path(tokens[b], parents[b], draws.ids[base: base + nodes])

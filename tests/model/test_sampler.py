@@ -540,8 +540,18 @@ def _from_scratch(rows, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, seen
 
 
+_SAMPLERS: dict[int, batch_mod.Sampler] = {}
+
+
+def sampler_for(vocab: int) -> batch_mod.Sampler:
+    """One sampler per vocabulary for the whole module, as one scheduler keeps one."""
+    if vocab not in _SAMPLERS:
+        _SAMPLERS[vocab] = batch_mod.Sampler(vocab, (), torch.device("cpu"))
+    return _SAMPLERS[vocab]
+
+
 def _check_penalties(rows, vocab: int) -> None:
-    pen = batch_mod._penalties(rows, vocab, torch.device("cpu"))
+    pen = sampler_for(vocab).penalties(rows)
     counts, seen = _from_scratch(rows, vocab)
     for i, r in enumerate(rows):
         if r.params.needs_penalties:
@@ -609,9 +619,8 @@ def test_incremental_penalties_equal_from_scratch(seed):
 def test_penalty_state_counts_only_new_tokens_and_is_released():
     vocab = 30
     reqs = [_req(f"r{i}", [1, 2, 3], frequency_penalty=0.5) for i in range(3)]
-    dev = torch.device("cpu")
     _check_penalties(reqs, vocab)
-    book = batch_mod._BOOKS[(dev, vocab)]
+    book = sampler_for(vocab).book
     slots = {book.held[r].slot for r in reqs}
     assert len(slots) == 3 and 0 not in slots
     for r in reqs:
@@ -625,8 +634,8 @@ def test_penalty_state_counts_only_new_tokens_and_is_released():
     for r in reqs + more:
         r.finish = FinishReason(FinishKind.STOP)
     plain = _req("plain", [1])
-    batch_mod.build_sampling_info([plain], vocab, (), dev)  # no penalties: finished state goes away
-    assert (dev, vocab) not in batch_mod._BOOKS
+    sampler_for(vocab).sampling_info([plain])  # no penalties: finished state goes away
+    assert sampler_for(vocab).book is None
 
 
 # ---- draw: one device read -----------------------------------------------------------------------
@@ -647,7 +656,7 @@ def test_draw_reads_the_device_exactly_once(monkeypatch):
     vocab = 64
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0))
     reqs = _mixed_batch()
-    expected = batch_mod.draw(logits, reqs, reqs, vocab, (2,), TPGroup())
+    expected = batch_mod.Sampler(vocab, (2,), torch.device("cpu")).draw(logits, reqs, reqs)
     reqs = _mixed_batch()  # fresh penalty state: the draw below also creates it
 
     fetched = []
@@ -676,12 +685,12 @@ def test_draw_reads_the_device_exactly_once(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     for name in ("item", "__bool__", "__int__", "__float__", "__index__"):
         monkeypatch.setattr(torch.Tensor, name, forbidden(name))
-    got = batch_mod.draw(logits, reqs, reqs, vocab, (2,), TPGroup())
+    got = batch_mod.Sampler(vocab, (2,), torch.device("cpu"), TPGroup()).draw(logits, reqs, reqs)
     monkeypatch.undo()
     assert fetched == [(5, 1 + 1 + 2 * 3)]
     assert got == expected
     # what the packed transfer carried is what sample() computed
-    info = batch_mod.build_sampling_info(_mixed_batch(), vocab, (2,), torch.device("cpu"))
+    info = batch_mod.Sampler(vocab, (2,), torch.device("cpu")).sampling_info(_mixed_batch())
     out = sample(logits, info, True, 3)
     assert got.ids == out.next_ids.tolist()
     assert got.logprobs == out.logprobs.tolist()
@@ -695,7 +704,7 @@ def test_draw_without_logprobs_fetches_ids_only(monkeypatch):
     real_fetch = device_io.fetch
     monkeypatch.setattr(device_io, "fetch", lambda x: fetched.append(tuple(x.shape)) or real_fetch(x))
     reqs = [_req("a", [1], temperature=0.0), _req("b", [2], seed=3)]
-    got = batch_mod.draw(torch.randn(2, 16), reqs, reqs, 16, (), TPGroup())
+    got = batch_mod.Sampler(16, (), torch.device("cpu")).draw(torch.randn(2, 16), reqs, reqs)
     assert fetched == [(2, 1)]
     assert got.logprobs is None and got.top_logprobs is None and got.top_ids is None
     assert all(isinstance(t, int) for t in got.ids)
