@@ -18,6 +18,7 @@ import torch
 
 from pdserve.chat_templates import BUILTIN_CHAT_TEMPLATES
 from pdserve.server.reasoning import REASONING_PARSERS
+from pdserve.server.tool_calls import TOOL_CALL_PARSERS
 
 
 class ConfigError(ValueError):
@@ -130,6 +131,9 @@ class ServerArgs:
     # Splits a chat answer's thinking (<think>...</think>) into `reasoning_content`
     # (SGLang's names: pdserve/server/reasoning.py). None: the output is all content.
     reasoning_parser: str | None = None
+    # Reads tool calls out of a chat answer in the model's own format (SGLang's names:
+    # pdserve/server/tool_calls.py), for `tool_choice: auto`. None: auto tool calling is refused.
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -161,7 +165,8 @@ class ServerArgs:
                               ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
                               ("load_format", LOAD_FORMATS),
                               ("schedule_policy", SCHEDULE_POLICIES),
-                              ("reasoning_parser", (None, *REASONING_PARSERS))):
+                              ("reasoning_parser", (None, *REASONING_PARSERS)),
+                              ("tool_call_parser", (None, *TOOL_CALL_PARSERS))):
             value = getattr(self, name)
             if value not in choices:
                 raise bad(name, f"invalid choice {value!r} (choose from {', '.join(c for c in choices if c)})")
@@ -421,6 +426,7 @@ _FIELD_CHOICES = {
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "disaggregation_mode": DISAGGREGATION_MODES, "disaggregation_transfer_backend": TRANSFER_BACKENDS,
     "reasoning_parser": tuple(REASONING_PARSERS),
+    "tool_call_parser": tuple(TOOL_CALL_PARSERS),
 }
 _TYPE_CHECKS: dict[str, tuple[type, ...]] = {
     "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),

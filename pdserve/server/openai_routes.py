@@ -9,12 +9,15 @@ messages through the shared RequestBuilder (errors name the OpenAI fields:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
 import time
 from typing import Any, AsyncIterator, Callable, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from pdserve.config import ServerArgs
 from pdserve.requests import ApiFields, RequestBuilder, check_new_tokens, check_text
@@ -26,6 +29,7 @@ from pdserve.server.protocol import (ApiError, ChatCompletionRequest, ChatMessag
                                      from_value_error, refuse_unsupported)
 from pdserve.server.reasoning import ReasoningParser, parser_for
 from pdserve.server.results import TokenTexts, chat_logprobs, completion_logprobs, openai_finish, usage
+from pdserve.server.tool_calls import ToolOutput, ToolPlan, finish_reason, tool_plan
 from pdserve.server.tokenizer_manager import Job, RequestState, ServerUnavailable, TokenizerManager
 
 # The finish message of a sample its client aborted; any other abort is the server's doing.
@@ -142,29 +146,61 @@ def completion_requests(args: ServerArgs, builder: RequestBuilder, req: Completi
                          bootstrap_of(args, req, params), COMPLETION_FIELDS), texts
 
 
-def chat_prompt(builder: RequestBuilder, req: ChatCompletionRequest) -> str:
+def chat_prompt(builder: RequestBuilder, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> str:
     """The conversation rendered by the chat template. Raises ValueError naming the field."""
-    return render_chat(builder, req.messages, req.chat_template_kwargs, add_generation_prompt=True)
+    return render_chat(builder, req.messages, req.chat_template_kwargs, add_generation_prompt=True,
+                       tools=plan.tools if plan is not None else None)
+
+
+def template_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    """One message as chat templates read it. Tool calls in the history get their
+    arguments as an object: templates (Qwen's, Llama 3's) write them with `tojson`, and
+    a JSON string would come out quoted. Raises ValueError naming the field."""
+    if isinstance(m.content, list):
+        if any(part.type != "text" for part in m.content):
+            raise ValueError("messages: only text content parts are supported")
+        content = "".join(part.text or "" for part in m.content)
+    else:
+        content = m.content or ""
+    check_text(content, f"messages[{i}].content")
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    if m.tool_calls is not None:
+        if m.role != "assistant":
+            raise ValueError(f"messages[{i}].tool_calls: only assistant messages carry tool calls")
+        calls = []
+        for j, c in enumerate(m.tool_calls):
+            where = f"messages[{i}].tool_calls[{j}].function.arguments"
+            try:
+                args = json.loads(c.function.arguments) if c.function.arguments.strip() else {}
+            except ValueError:
+                raise ValueError(f"{where}: is not valid JSON") from None
+            if not isinstance(args, dict):
+                raise ValueError(f"{where}: must encode a JSON object")
+            calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
+        out["tool_calls"] = calls
+    if m.role == "tool":
+        if not m.tool_call_id:
+            raise ValueError(f"messages[{i}].tool_call_id: a tool message needs the id of the call it answers")
+        out["tool_call_id"] = m.tool_call_id
+    elif m.tool_call_id is not None:
+        raise ValueError(f"messages[{i}].tool_call_id: only tool messages answer a call")
+    if m.name is not None:
+        out["name"] = m.name
+    return out
 
 
 def render_chat(builder: RequestBuilder, chat: Sequence[ChatMessage], template_kwargs: dict[str, Any] | None,
-                add_generation_prompt: bool) -> str:
-    """`chat` rendered by the chat template (also /tokenize's). Raises ValueError naming the field."""
-    messages = []
-    for i, m in enumerate(chat):
-        if isinstance(m.content, list):
-            if any(part.type != "text" for part in m.content):
-                raise ValueError("messages: only text content parts are supported")
-            content = "".join(part.text or "" for part in m.content)
-        else:
-            content = m.content or ""
-        check_text(content, f"messages[{i}].content")
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    # Before rendering: the conversation alone (each message at least its role and content).
-    builder.check_chars(sum(len(m["role"]) + len(m["content"]) for m in messages), "messages", "the conversation's ")
+                add_generation_prompt: bool, tools: Sequence[dict[str, Any]] | None = None) -> str:
+    """`chat` rendered by the chat template (also /tokenize's), with the request's `tools`
+    (the template's own `tools` variable). Raises ValueError naming the field."""
+    messages = [template_message(i, m) for i, m in enumerate(chat)]
+    # Before rendering: the conversation alone (each message at least its role, content and calls).
+    builder.check_chars(sum(len(m["role"]) + len(m["content"]) + len(json.dumps(m.get("tool_calls", "")))
+                            for m in messages) + len(json.dumps(tools or "")), "messages", "the conversation's ")
     try:
         prompt_text = builder.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                            tokenize=False, **(template_kwargs or {}))
+                                                            tokenize=False, tools=tools or None,
+                                                            **(template_kwargs or {}))
     except Exception as exc:  # a template that rejects the conversation
         raise ValueError(f"messages: the chat template failed: {exc}") from None
     if not isinstance(prompt_text, str):
@@ -175,9 +211,10 @@ def render_chat(builder: RequestBuilder, chat: Sequence[ChatMessage], template_k
     return prompt_text
 
 
-def chat_requests(args: ServerArgs, builder: RequestBuilder, req: ChatCompletionRequest) -> list[NewRequest]:
-    """The message of a chat body (one prompt). Raises ValueError naming the field."""
-    ids = builder.tokenizer(chat_prompt(builder, req), add_special_tokens=False)["input_ids"]
+def chat_requests(args: ServerArgs, builder: RequestBuilder, req: ChatCompletionRequest,
+                  plan: ToolPlan | None = None) -> list[NewRequest]:
+    """The message of a chat body (one prompt); `plan`: its tools. Raises ValueError naming the field."""
+    ids = builder.tokenizer(chat_prompt(builder, req, plan), add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError("messages: the conversation is empty")
     explicit = req.max_completion_tokens is not None  # the newer name wins over max_tokens
@@ -186,9 +223,22 @@ def chat_requests(args: ServerArgs, builder: RequestBuilder, req: ChatCompletion
     max_tokens = req.max_completion_tokens if explicit else req.max_tokens
     if max_tokens is None:  # up to the context length, at least one token
         max_tokens = max(1, builder.context_len - len(ids))
-    params = [sampling_params(req, max_tokens, names)]
+    params = [constrain_to_tools(sampling_params(req, max_tokens, names), plan)]
     return builder.build([ids], params, req.logprobs, req.top_logprobs or 0, [req.rid] if req.rid else None,
                          bootstrap_of(args, req, params), names)
+
+
+def constrain_to_tools(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
+    """`tool_choice` required or a named function: the output is constrained to the plan's
+    JSON schema (the grammar machinery's `json_schema`), so that it always parses into
+    calls. Raises ValueError naming the field."""
+    schema = plan.json_schema() if plan is not None else None
+    if schema is None:
+        return params
+    if any(getattr(params, f, None) is not None for f in ("json_schema", "regex", "ebnf")):
+        raise ValueError("tool_choice: 'required' or a named function constrains the output to tool calls; "
+                         "it cannot be combined with another output constraint (response_format, ...)")
+    return dataclasses.replace(params, json_schema=schema)
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -231,34 +281,48 @@ class CompletionChunks:
                 "finish_reason": finish}
 
 
-def chat_message(text: str, parser: ReasoningParser | None) -> dict[str, Any]:
+def chat_message(text: str, parser: ReasoningParser | None, tools: ToolOutput | None = None) -> dict[str, Any]:
     """The assistant message of a whole answer; with a reasoning parser its thinking goes
-    to `reasoning_content` (null when there was none)."""
+    to `reasoning_content` (null when there was none); with tool calling (`tools`, which
+    reads the content after the reasoning) the calls go to `tool_calls` (left out when
+    there were none) and `content` is the text outside them (null when empty)."""
     if parser is None:
-        return {"role": "assistant", "content": text}
-    reasoning, content = parser.parse(text)
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+    else:
+        reasoning, content = parser.parse(text)
+        message = {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+    if tools is not None:
+        content, calls = tools.parse(message["content"])
+        message["content"] = content or None
+        if calls:
+            message["tool_calls"] = calls
+    return message
 
 
 class ChatChunks:
     """Choices of a streamed chat completion: a sample's first delta carries the role.
     With a reasoning parser (`new_parser` makes one per sample), reasoning and content
-    of one update go as two choices, the reasoning first; the update's logprobs ride on
-    the first, its finish reason on the last."""
+    of one update go as two choices, the reasoning first; with tool calling (`new_tools`,
+    one per sample, reading the content after the reasoning) a third carries the
+    update's `tool_calls` deltas. The update's logprobs ride on the first, its finish
+    reason on the last."""
 
     def __init__(self, texts: TokenTexts | None,
-                 new_parser: Callable[[], ReasoningParser | None] = lambda: None) -> None:
+                 new_parser: Callable[[], ReasoningParser | None] = lambda: None,
+                 new_tools: Callable[[], ToolOutput | None] = lambda: None) -> None:
         self.texts = texts    # None: logprobs not asked for
         self.new_parser = new_parser
+        self.new_tools = new_tools
         self.parsers: dict[int, ReasoningParser | None] = {}  # sample index -> its parser
+        self.tools: dict[int, ToolOutput | None] = {}         # sample index -> its tool-call reader
 
     def __call__(self, state: RequestState, update: TextUpdate) -> list[dict[str, Any]]:
         s = state.samples[update.token.index]
         first = s.index not in self.parsers
         if first:
             self.parsers[s.index] = self.new_parser()
-        parser = self.parsers[s.index]
-        finish = openai_finish(update.token.finish)
+            self.tools[s.index] = self.new_tools()
+        parser, tools = self.parsers[s.index], self.tools[s.index]
         if parser is None:
             reasoning, content = "", update.text_delta
         else:
@@ -266,8 +330,15 @@ class ChatChunks:
             if update.token.finish is not None:
                 r, c = parser.flush()
                 reasoning, content = reasoning + r, content + c
+        calls: list[dict[str, Any]] = []
+        if tools is not None:
+            content, calls = tools.feed(content)
+            if update.token.finish is not None:
+                c, k = tools.flush()
+                content, calls = content + c, calls + k
+        finish = finish_reason(openai_finish(update.token.finish), tools)
         deltas = ([{"reasoning_content": reasoning}] if reasoning else []) + \
-            ([{"content": content}] if content else [])
+            ([{"content": content}] if content else []) + ([{"tool_calls": calls}] if calls else [])
         if first:  # the role goes with the first piece (an empty content when there is none yet)
             deltas = [{"role": "assistant", **(deltas[0] if deltas else {"content": ""})}, *deltas[1:]]
         lp = {"content": chat_logprobs(self.texts, update.token.new_ids, update.token.new_logprobs,
@@ -346,22 +417,33 @@ class OpenAIRoutes:
     async def chat_completions(self, req: ChatCompletionRequest, request: Request) -> Response:
         check_chat_fields(req, self.model_names, self.template_args, self.args.allow_client_chat_template)
         try:
+            plan = tool_plan([t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                             req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel)
+                             else req.tool_choice, req.parallel_tool_calls, self.args.tool_call_parser)
             with self.manager.preparing_rids(client_rids(req.rid)):
-                requests = await self.manager.off_loop(chat_requests, self.args, self.manager.builder, req)
+                requests = await self.manager.off_loop(chat_requests, self.args, self.manager.builder, req, plan)
                 job = await self.manager.submit(requests)
         except ValueError as exc:
             raise from_value_error(exc) from None
         head = self._head(f"chatcmpl-{job.states[0].rid}", "chat.completion")
         token_texts = self.texts if req.logprobs else None
         def new_parser() -> ReasoningParser | None:
+            if plan is not None and plan.constrained:  # the output is the calls' JSON: no thinking
+                return None
             return parser_for(self.args.reasoning_parser, req.separate_reasoning, req.chat_template_kwargs)
+        def new_tools() -> ToolOutput | None:
+            return plan.new_output() if plan is not None else None
         if req.stream:
             return self._stream(job, dict(head, object="chat.completion.chunk"), req,
-                                ChatChunks(token_texts, new_parser))
+                                ChatChunks(token_texts, new_parser, new_tools))
         await self.manager.wait(job, client_gone(request))
         raise_server_abort(job)
-        choices = [{"index": s.index, "message": chat_message(s.text, new_parser()),
-                    "logprobs": {"content": chat_logprobs(token_texts, s.output_ids, s.logprobs, s.top_logprobs)}
-                    if token_texts is not None else None,
-                    "finish_reason": openai_finish(s.finish)} for s in job.states[0].samples]
+        choices = []
+        for s in job.states[0].samples:
+            tools = new_tools()
+            choices.append({"index": s.index, "message": chat_message(s.text, new_parser(), tools),
+                            "logprobs": {"content": chat_logprobs(token_texts, s.output_ids, s.logprobs,
+                                                                  s.top_logprobs)}
+                            if token_texts is not None else None,
+                            "finish_reason": finish_reason(openai_finish(s.finish), tools)})
         return JSONResponse({**head, "choices": choices, "usage": usage(job.states)})

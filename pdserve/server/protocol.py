@@ -1,8 +1,8 @@
 """Request bodies of the HTTP API (pydantic), with an honest field policy.
 
 Unknown fields are refused (400 naming the field). Fields OpenAI defines that
-would change the result but pdserve does not implement (tools, response
-formats, logit bias, ...) are accepted by the schema only so that the refusal
+would change the result but pdserve does not implement (response formats,
+logit bias, ...) are accepted by the schema only so that the refusal
 can say exactly that. An explicit null for an optional field means its default.
 """
 
@@ -98,7 +98,7 @@ class SGLangExtensions(_Strict):
 
 
 # Fields refused whenever they are set to something other than "off".
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
+UNSUPPORTED = ("functions", "function_call", "response_format", "logit_bias",
                "suffix", "audio", "modalities", "prediction", "web_search_options", "return_hidden_states",
                "regex", "json_schema", "ebnf", "lora_path", "reasoning_effort", "continue_final_message",
                "background", "return_bytes", "return_entropy", "return_text_in_logprobs", "return_routed_experts",
@@ -134,11 +134,46 @@ class ContentPart(BaseModel):
     text: Optional[str] = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON-encoded, as OpenAI sends it back
+
+
+class AssistantToolCall(_Strict):
+    """A call in the history: what an earlier answer's `tool_calls` held."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[AssistantToolCall]] = None  # assistant messages only
+    tool_call_id: Optional[str] = None                    # tool messages only (required there)
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; absent: no arguments
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SGLangExtensions):
@@ -162,8 +197,9 @@ class ChatCompletionRequest(SGLangExtensions):
     store: Optional[bool] = None
     parallel_tool_calls: Optional[bool] = None
     service_tier: Optional[str] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    # Tool calling (pdserve/server/tool_calls.py): tool_choice defaults to "auto" with tools.
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
     response_format: Optional[Any] = None
