@@ -9,7 +9,8 @@ through unchanged.
 
 Keys (as the servers check them): `--api-key` is required on every route but /health
 (the admin key opens them too); with `--admin-api-key`, the admin routes
-(/abort_request, /flush_cache) require that key, the API key is not enough. The router sends
+(/abort_request, /flush_cache, and worker management under /workers) require that key,
+the API key is not enough. The router sends
 the same keys to the workers (the admin key on their admin routes), so the servers
 behind it should be started with the same keys.
 """
@@ -21,7 +22,7 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -30,14 +31,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.router.config import RouterConfig
+from pdserve.router.admin import spec_from_body
+from pdserve.router.config import ConfigError, RouterConfig, WorkerSpec, normalise_url
 from pdserve.router.errors import error_body
 from pdserve.router.limits import Refusal, check_generation, parse_json, read_body
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import make_policy
 from pdserve.router.proxy import Proxy, Reply, StreamSession
 from pdserve.router.rooms import ROUTER_FIELDS, shape_of
-from pdserve.router.workers import Worker, WorkerRegistry
+from pdserve.router.workers import DuplicateWorker, Worker, WorkerRegistry
+
+if TYPE_CHECKING:
+    from pdserve.router.discovery import PodDiscovery
 from pdserve.server.http_front import bearer, key_matches
 
 logger = logging.getLogger(__name__)
@@ -45,6 +50,7 @@ T = TypeVar("T")
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 ADMIN_ROUTES = ("/abort_request", "/flush_cache")
+WORKERS_ROUTE = "/workers"  # and /workers/{url}: admin routes too
 INFO_TIMEOUT_S = 5.0
 
 
@@ -70,9 +76,15 @@ class _ApiKey:
         self.app = app
         self.keys = (key, admin_key)
         self.exempt = ("/health", *(ADMIN_ROUTES if admin_key else ()))
+        self.admin_key = admin_key
+
+    def _exempt(self, path: str) -> bool:
+        if path in self.exempt:
+            return True
+        return bool(self.admin_key) and (path == WORKERS_ROUTE or path.startswith(WORKERS_ROUTE + "/"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path") not in self.exempt:
+        if scope["type"] == "http" and not self._exempt(scope.get("path", "")):
             if not _authorized(scope, *self.keys):
                 await _error("invalid or missing API key", 401)(scope, receive, send)
                 return
@@ -120,7 +132,7 @@ class Router:
     """Everything one router app owns (no module-level state)."""
 
     def __init__(self, cfg: RouterConfig, transport: httpx.AsyncBaseTransport | None,
-                 randbits: Callable[[int], int]) -> None:
+                 randbits: Callable[[int], int], discovery: "PodDiscovery | None" = None) -> None:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         self.worker_headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -134,7 +146,9 @@ class Router:
                 transport=transport, timeout=httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0))
         self.registry = WorkerRegistry(cfg.all_workers, make_client, interval=cfg.health_check_interval,
-                                       timeout=cfg.health_check_timeout)
+                                       timeout=cfg.health_check_timeout, on_removed=self._forget_worker,
+                                       on_probe_failure=lambda w: self.metrics.health_check_failures.labels(
+                                           w.role, w.url).inc())
         policy_args = dict(threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
                            max_tree_size=cfg.max_tree_size)
         pd = cfg.pd_disaggregation
@@ -144,14 +158,42 @@ class Router:
                            retries=cfg.retries, headers=self.worker_headers, admin_headers=self.admin_headers,
                            randbits=randbits)
         self.roles = ("prefill", "decode") if pd else ("plain",)
+        self.discovery = discovery
 
     async def start(self) -> None:
         await self.registry.probe_all()  # /health is right from the first request on
         self.registry.start()
+        if self.discovery is not None:
+            self.discovery.start(self, asyncio.get_running_loop())
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            self.discovery.stop()
         await self.proxy.close()
         await self.registry.close()
+
+    # ---- the one add / remove path (HTTP API and discovery) ------------------------------
+    async def add_worker(self, spec: WorkerSpec, source: str) -> Worker:
+        """Register `spec` and probe it at once: a healthy worker is in rotation when this
+        returns (else the health loop keeps probing it every interval). Raises
+        DuplicateWorker for a URL already registered."""
+        worker = self.registry.add(spec, source)
+        await self.registry.probe(worker)
+        return worker
+
+    def remove_worker(self, url: str) -> Worker | None:
+        """Drain the worker at `url` (out of rotation now, gone when its legs are done);
+        None when there is no such worker."""
+        worker = self.registry.get(url)
+        if worker is not None:
+            self.registry.remove(worker)
+        return worker
+
+    def _forget_worker(self, worker: Worker) -> None:
+        for policy in (self.proxy.prefill_policy, self.proxy.decode_policy):
+            if policy is not None:
+                policy.remove_worker(worker.url)
+        self.metrics.forget_worker(worker.role, worker.url)
 
     def missing_roles(self) -> list[str]:
         return [r for r in self.roles if not self.registry.healthy(r)]
@@ -161,14 +203,21 @@ class Router:
             r = await w.client.get(w.url + "/get_server_info", headers=self.worker_headers,
                                       timeout=INFO_TIMEOUT_S)
             info = r.json() if r.status_code == 200 else {"error": f"HTTP {r.status_code}: {r.text[:300]}"}
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, RuntimeError) as exc:  # RuntimeError: removed meanwhile
             info = {"error": f"{type(exc).__name__}: {exc}"}
         return {**info, **w.describe()}
 
 
 def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None,
-               randbits: Callable[[int], int] = secrets.randbits) -> FastAPI:
-    router = Router(cfg, transport, randbits)
+               randbits: Callable[[int], int] = secrets.randbits,
+               discovery: "PodDiscovery | None" = None) -> FastAPI:
+    """`discovery`: the pod watcher to run (tests inject one fed with their own events);
+    by default, with --service-discovery, one on the kubernetes client (ConfigError
+    when the package is missing)."""
+    if discovery is None and cfg.service_discovery:
+        from pdserve.router.discovery import PodDiscovery
+        discovery = PodDiscovery.from_config(cfg)
+    router = Router(cfg, transport, randbits, discovery)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -233,7 +282,7 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
         reply: Reply = opened  # type: ignore[assignment]
         outcome = "success" if reply.status < 400 else ("client_error" if reply.status < 500 else "server_error")
         metrics.requests.labels(route, outcome).inc()
-        return Response(reply.content, status_code=reply.status, media_type=reply.media_type)
+        return Response(reply.content, status_code=reply.status, media_type=reply.media_type, headers=reply.headers)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -276,7 +325,7 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
                     else:
                         r = await w.client.post(w.url + path, content=body, timeout=INFO_TIMEOUT_S,
                                                 headers={**router.worker_headers, "content-type": "application/json"})
-                except httpx.HTTPError:
+                except (httpx.HTTPError, RuntimeError):  # RuntimeError: removed meanwhile
                     continue
                 return Response(r.content, status_code=r.status_code,
                                 media_type=r.headers.get("content-type", "application/json"))
@@ -353,11 +402,68 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
                 r = await w.client.post(w.url + "/flush_cache", headers=router.admin_headers,
                                         timeout=INFO_TIMEOUT_S)
                 return None if r.status_code == 200 else f"{w.url}: {r.status_code} {r.text.strip()}"
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: removed meanwhile
                 return f"{w.url}: {type(exc).__name__}"
-        failed = [f for f in await asyncio.gather(*(one(w) for w in registry.workers if w.healthy)) if f]
+        failed = [f for f in await asyncio.gather(*(one(w) for w in registry.workers if w.in_rotation)) if f]
         if failed:
             return _error("flush_cache: not flushed on " + "; ".join(failed), 400)
         return Response("Cache flushed.\n", status_code=200)
+
+    # ---- worker management (admin.py) -------------------------------------------------
+    def worker_url(raw: str) -> str | Response:
+        """The {url} of /workers/{url} (percent-decoded by the server), normalised."""
+        try:
+            return normalise_url(raw, "url")
+        except ConfigError as exc:
+            return _error(str(exc), 400, "url")
+
+    @app.get("/workers")
+    async def list_workers(request: Request) -> Response:
+        denied = not_admin(request)
+        if denied is not None:
+            return denied
+        return JSONResponse({"workers": [w.status() for w in registry.workers]})
+
+    @app.get("/workers/{url:path}")
+    async def get_worker(url: str, request: Request) -> Response:
+        denied = not_admin(request)
+        if denied is not None:
+            return denied
+        url_or_error = worker_url(url)
+        if isinstance(url_or_error, Response):
+            return url_or_error
+        worker = registry.get(url_or_error)
+        if worker is None:
+            return _error(f"url: no worker {url_or_error}", 404, "url")
+        return JSONResponse(worker.status())
+
+    @app.post("/workers")
+    async def add_worker(request: Request) -> Response:
+        denied = not_admin(request)
+        if denied is not None:
+            return denied
+        try:
+            spec = spec_from_body(await json_object(request), cfg.pd_disaggregation)
+        except Refusal as exc:
+            return _error(exc.message, exc.status, exc.param)
+        try:
+            worker = await router.add_worker(spec, "api")
+        except DuplicateWorker as exc:
+            return _error(f"url: {exc}", 409, "url")
+        return JSONResponse(worker.status(), status_code=201)
+
+    @app.delete("/workers/{url:path}")
+    async def delete_worker(url: str, request: Request) -> Response:
+        denied = not_admin(request)
+        if denied is not None:
+            return denied
+        url_or_error = worker_url(url)
+        if isinstance(url_or_error, Response):
+            return url_or_error
+        worker = router.remove_worker(url_or_error)
+        if worker is None:
+            return _error(f"url: no worker {url_or_error}", 404, "url")
+        # 202: the drain has started; GET /workers/{url} answers 404 once it is gone.
+        return JSONResponse(worker.status(), status_code=202)
 
     return app

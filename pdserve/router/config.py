@@ -8,6 +8,11 @@ or, in front of colocated servers (plain load balancing, no bootstrap fields):
 
     python -m pdserve.router --worker-urls http://s0:30000 http://s1:30000
 
+or with the workers found on Kubernetes (pods matching label selectors, watched):
+
+    python -m pdserve.router --pd-disaggregation --service-discovery \\
+        --prefill-selector app=pdserve component=prefill --decode-selector app=pdserve component=decode
+
 Every mistake is a `ConfigError` whose message starts with the flag it is about.
 """
 
@@ -21,6 +26,9 @@ from urllib.parse import urlsplit
 DEFAULT_BOOTSTRAP_PORT = 8998  # the servers' --disaggregation-bootstrap-port default
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
 ROLES = ("prefill", "decode", "plain")
+# The pod annotation a prefill pod names its bootstrap port in (absent: DEFAULT_BOOTSTRAP_PORT).
+DEFAULT_BOOTSTRAP_PORT_ANNOTATION = "pdserve/bootstrap-port"
+DEFAULT_DISCOVERY_PORT = 30000  # the servers' --port default
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # the servers' --log-level choices
 
 
@@ -75,21 +83,49 @@ class RouterConfig:
     balance_abs_threshold: int = 32
     max_tree_size: int = 1 << 22             # elements (chars or token ids) kept per tree
     log_level: str = "info"
+    # Kubernetes pod discovery (discovery.py): pods matching a selector (label -> value, all
+    # must match) are added when ready and drained when not ready or deleted.
+    service_discovery: bool = False
+    prefill_selector: tuple[tuple[str, str], ...] = ()
+    decode_selector: tuple[tuple[str, str], ...] = ()
+    selector: tuple[tuple[str, str], ...] = ()   # plain mode (colocated servers)
+    service_discovery_namespace: str | None = None  # None: the router pod's own namespace
+    service_discovery_port: int = DEFAULT_DISCOVERY_PORT
+    bootstrap_port_annotation: str = DEFAULT_BOOTSTRAP_PORT_ANNOTATION
 
     def __post_init__(self) -> None:
+        # With discovery the worker lists may start empty: pods join at run time.
+        sd = self.service_discovery
         if self.pd_disaggregation:
-            if not self.prefill:
+            if not self.prefill and not sd:
                 raise ConfigError("--prefill: PD mode needs at least one prefill server")
-            if not self.decode:
+            if not self.decode and not sd:
                 raise ConfigError("--decode: PD mode needs at least one decode server")
             if self.workers:
                 raise ConfigError("--worker-urls: plain workers cannot be mixed with --pd-disaggregation")
+            if sd and not (self.prefill_selector and self.decode_selector):
+                raise ConfigError("--prefill-selector/--decode-selector: --service-discovery in PD mode needs "
+                                  "both (key=value labels of the prefill and of the decode pods)")
+            if self.selector:
+                raise ConfigError("--selector: selects colocated workers; in PD mode use --prefill-selector and "
+                                  "--decode-selector")
         else:
             if self.prefill or self.decode:
                 raise ConfigError("--pd-disaggregation: --prefill/--decode need --pd-disaggregation")
-            if not self.workers:
+            if not self.workers and not sd:
                 raise ConfigError("--worker-urls: give the servers to route to (or --pd-disaggregation "
                                   "with --prefill/--decode)")
+            if sd and not self.selector:
+                raise ConfigError("--selector: --service-discovery without --pd-disaggregation needs the "
+                                  "key=value labels of the worker pods")
+            if self.prefill_selector or self.decode_selector:
+                raise ConfigError("--prefill-selector/--decode-selector: need --pd-disaggregation")
+        if not sd and (self.prefill_selector or self.decode_selector or self.selector):
+            raise ConfigError("--service-discovery: the selectors only apply with --service-discovery")
+        if not 0 < self.service_discovery_port <= 65535:
+            raise ConfigError(f"--service-discovery-port: must be in [1, 65535], got {self.service_discovery_port}")
+        if not self.bootstrap_port_annotation:
+            raise ConfigError("--bootstrap-port-annotation: must not be empty")
         urls = [w.url for w in self.all_workers]
         dup = next((u for u in urls if urls.count(u) > 1), None)
         if dup is not None:
@@ -139,22 +175,44 @@ def normalise_url(url: str, flag: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def parse_bootstrap_port(value: object, what: str) -> int | None:
+    """A prefill worker's bootstrap port as the flag, the API and the pod annotation give
+    it: an integer in [1, 65535], or 'none' (SGLang's spelling for "the servers' own
+    default"). `what` starts the error message."""
+    if isinstance(value, str):
+        if value.strip().lower() == "none":
+            return None
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(f"{what}: bootstrap port {value!r} is not an integer") from None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{what}: bootstrap port {value!r} is not an integer")
+    if not 0 < value <= 65535:
+        raise ConfigError(f"{what}: bootstrap port {value} is not in [1, 65535]")
+    return value
+
+
 def _prefill_spec(values: Sequence[str]) -> WorkerSpec:
     if not 1 <= len(values) <= 2:
         raise ConfigError(f"--prefill: expected URL [BOOTSTRAP_PORT], got {' '.join(values)!r}")
     url = normalise_url(values[0], "--prefill")
     port: int | None = DEFAULT_BOOTSTRAP_PORT
     if len(values) == 2:
-        if values[1].lower() == "none":
-            port = None  # SGLang's spelling for "the server's own default"
-        else:
-            try:
-                port = int(values[1])
-            except ValueError:
-                raise ConfigError(f"--prefill: bootstrap port {values[1]!r} of {url} is not an integer") from None
-            if not 0 < port <= 65535:
-                raise ConfigError(f"--prefill: bootstrap port {port} of {url} is not in [1, 65535]")
+        port = parse_bootstrap_port(values[1], f"--prefill: {url}")
     return WorkerSpec(url, "prefill", port)
+
+
+def _selector(values: Sequence[str] | None, flag: str) -> tuple[tuple[str, str], ...]:
+    """`key=value ...` (SGLang's spelling; one value may also hold several, comma-separated)."""
+    out: list[tuple[str, str]] = []
+    for value in values or ():
+        for part in value.split(","):
+            key, eq, val = part.strip().partition("=")
+            if not eq or not key.strip():
+                raise ConfigError(f"{flag}: {part!r} is not key=value")
+            out.append((key.strip(), val.strip()))
+    return tuple(out)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -201,6 +259,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-threshold", type=float, default=0.5)
     ap.add_argument("--balance-abs-threshold", type=int, default=32)
     ap.add_argument("--max-tree-size", type=int, default=1 << 22)
+    ap.add_argument("--service-discovery", action="store_true",
+                    help="add and drain workers as Kubernetes pods matching the selectors become ready or go "
+                         "(needs the kubernetes package: pip install 'pdserve[k8s]')")
+    ap.add_argument("--prefill-selector", nargs="+", action="extend", metavar="KEY=VALUE",
+                    help="labels of the prefill pods (PD mode)")
+    ap.add_argument("--decode-selector", nargs="+", action="extend", metavar="KEY=VALUE",
+                    help="labels of the decode pods (PD mode)")
+    ap.add_argument("--selector", nargs="+", action="extend", metavar="KEY=VALUE",
+                    help="labels of colocated worker pods (plain mode)")
+    ap.add_argument("--service-discovery-namespace", default=None, metavar="NS",
+                    help="namespace to watch (default: the router pod's own, else 'default')")
+    ap.add_argument("--service-discovery-port", type=int, default=DEFAULT_DISCOVERY_PORT, metavar="PORT",
+                    help=f"the servers' HTTP port in the pods ({DEFAULT_DISCOVERY_PORT})")
+    ap.add_argument("--bootstrap-port-annotation", default=DEFAULT_BOOTSTRAP_PORT_ANNOTATION, metavar="NAME",
+                    help=f"prefill pod annotation holding its bootstrap port (absent: {DEFAULT_BOOTSTRAP_PORT})")
     ap.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                     help="info: a ready line, worker changes and failures; debug adds uvicorn's and httpx's lines")
     return ap
@@ -225,4 +298,10 @@ def from_cli(argv: Sequence[str] | None = None) -> RouterConfig:
         max_request_bytes=ns.max_request_bytes, max_request_samples=ns.max_request_samples,
         request_read_timeout=ns.request_read_timeout,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
-        max_tree_size=ns.max_tree_size, log_level=ns.log_level)
+        max_tree_size=ns.max_tree_size, log_level=ns.log_level,
+        service_discovery=ns.service_discovery,
+        prefill_selector=_selector(ns.prefill_selector, "--prefill-selector"),
+        decode_selector=_selector(ns.decode_selector, "--decode-selector"),
+        selector=_selector(ns.selector, "--selector"),
+        service_discovery_namespace=ns.service_discovery_namespace,
+        service_discovery_port=ns.service_discovery_port, bootstrap_port_annotation=ns.bootstrap_port_annotation)

@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 @dataclass
 class Faults:
     healthy: bool = True
+    draining: bool = False           # /health answers 503 {"status": "draining"} (graceful drain)
     health_delay_s: float = 0.0      # /health answers this late (a hung worker)
     fail_status: int | None = None   # answer the next `fail_count` generation requests with this status
     fail_count: int = 0
@@ -35,6 +36,8 @@ class Faults:
     event_delay_s: float = 0.0       # between streamed events
     drop_after_events: int | None = None  # streams: close the connection after this many events
     hold: bool = False               # keep requests open until aborted (or released)
+    shed_count: int = 0              # answer the next requests 503 + Retry-After (a full queue)
+    retry_after: str = "2"
 
 
 @dataclass
@@ -46,6 +49,7 @@ class FakeWorker:
     aborts: list[str] = field(default_factory=list)
     live: dict[str, asyncio.Event] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)   # rids answered in full
+    shed: list[Any] = field(default_factory=list)        # rids refused with 503 + Retry-After
     # Keys as the servers check them (admin routes: the admin key when set; the others: the
     # API key, or the admin key)
     api_key: str | None = None
@@ -116,6 +120,8 @@ def build_app(w: FakeWorker) -> FastAPI:
     async def health() -> Response:
         if w.faults.health_delay_s:
             await asyncio.sleep(w.faults.health_delay_s)
+        if w.faults.draining:
+            return JSONResponse({"status": "draining", "in_flight": len(w.live)}, status_code=503)
         return Response(status_code=200 if w.faults.healthy else 503)
 
     @app.get("/v1/models")
@@ -166,6 +172,12 @@ def build_app(w: FakeWorker) -> FastAPI:
         if body.get("unknown_field") is not None:
             return _err("unknown_field: unsupported field", 400, "unknown_field")
         f = w.faults
+        if f.shed_count > 0:  # as the servers' --max-queued-requests: refused before any work
+            f.shed_count -= 1
+            w.shed.append(body.get("rid"))
+            resp = _err("the server's queue is full (--max-queued-requests); retry later", 503)
+            resp.headers["retry-after"] = f.retry_after
+            return resp
         if f.fail_count > 0 and f.fail_status is not None:
             f.fail_count -= 1
             return _err(f"injected failure on the {w.role} worker", f.fail_status)

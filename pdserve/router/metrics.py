@@ -18,11 +18,13 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 #   timeout            a leg exceeded --request-timeout
 #   worker_5xx         a worker answered 5xx (or ended a leg with a server-side abort)
 #   worker_4xx         a worker refused the request (passed through to the client)
+#   shed               a worker answered 503 + Retry-After (its queue is full): retried elsewhere
 #   bad_request        the router refused the request itself (not a JSON object, router-owned fields)
 #   stream_broken      the decode leg failed after tokens reached the client (SSE error event)
 #   prefill_late_error the prefill leg failed after decode had already answered
 #   client_disconnect  the client went away; both legs were aborted
-ERROR_CAUSES = ("no_healthy_worker", "connect_error", "timeout", "worker_5xx", "worker_4xx", "bad_request",
+# A worker that is draining (503 "draining") is not an error: it only leaves rotation.
+ERROR_CAUSES = ("no_healthy_worker", "connect_error", "timeout", "worker_5xx", "worker_4xx", "shed", "bad_request",
                 "stream_broken", "prefill_late_error", "client_disconnect")
 
 
@@ -50,6 +52,12 @@ class RouterMetrics:
                                     ["role", "worker"], registry=r)
         self.worker_in_flight = Gauge("pdserve_router:worker_in_flight", "Legs in flight per worker",
                                       ["role", "worker"], registry=r)
+        self.health_check_failures = Counter(
+            "pdserve_router:health_check_failures", "Failed health probes per worker (a draining answer is not one)",
+            ["role", "worker"], registry=r)
+        self.worker_draining = Gauge("pdserve_router:worker_draining",
+                                     "1 while a worker is draining (its own drain) or being removed",
+                                     ["role", "worker"], registry=r)
         for cause in ERROR_CAUSES:
             self.errors.labels(cause)  # present at 0 from the start
 
@@ -57,4 +65,15 @@ class RouterMetrics:
         for w in workers:
             self.worker_healthy.labels(w.role, w.url).set(1 if w.healthy else 0)  # type: ignore[attr-defined]
             self.worker_in_flight.labels(w.role, w.url).set(w.in_flight)  # type: ignore[attr-defined]
+            self.worker_draining.labels(w.role, w.url).set(  # type: ignore[attr-defined]
+                1 if w.server_draining or w.removing else 0)  # type: ignore[attr-defined]
         return generate_latest(self.registry)
+
+    def forget_worker(self, role: str, url: str) -> None:
+        """A removed worker's series go (a gauge left behind would read as a live worker)."""
+        for metric in (self.worker_healthy, self.worker_in_flight, self.worker_draining,
+                       self.health_check_failures, self.worker_requests):
+            try:
+                metric.remove(role, url)
+            except KeyError:
+                pass

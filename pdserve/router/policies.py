@@ -26,6 +26,10 @@ class Policy(Protocol):
         """`candidates` is non-empty; `key` is the request's text or token ids (or None)."""
         ...
 
+    def remove_worker(self, url: str) -> None:
+        """Forget what the policy holds about a worker that left the router."""
+        ...
+
 
 class RoundRobin:
     name = "round_robin"
@@ -36,6 +40,9 @@ class RoundRobin:
     def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
         return candidates[next(self._counter) % len(candidates)]
 
+    def remove_worker(self, url: str) -> None:
+        pass  # stateless about workers
+
 
 class RandomPolicy:
     name = "random"
@@ -45,6 +52,9 @@ class RandomPolicy:
 
     def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
         return self._rng.choice(candidates)
+
+    def remove_worker(self, url: str) -> None:
+        pass  # stateless about workers
 
 
 class PowerOfTwo:
@@ -60,6 +70,9 @@ class PowerOfTwo:
             return candidates[0]
         a, b = self._rng.sample(list(candidates), 2)
         return b if b.in_flight < a.in_flight else a
+
+    def remove_worker(self, url: str) -> None:
+        pass  # stateless about workers
 
 
 class CacheAware:
@@ -91,6 +104,12 @@ class CacheAware:
             self._new_prefixes[chosen.url] = self._new_prefixes.get(chosen.url, 0) + 1
         self.tree.insert(key, chosen.url)
         return chosen
+
+    def remove_worker(self, url: str) -> None:
+        """A removed worker's prefixes would otherwise keep attracting (and, were its URL
+        added again for a fresh server, mislead) affinity, and hold tree space."""
+        self.tree.remove_worker(url)
+        self._new_prefixes.pop(url, None)
 
     def _least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
         """Fewest in flight; among those, the one that has been given the fewest new

@@ -82,6 +82,22 @@ class PrefixTree:
             node, i = child, i + k
         return out
 
+    def remove_worker(self, worker: str) -> None:
+        """Forget `worker` (it left the router): its marks go, and so do the nodes only it
+        had marked (a node's marks include every mark below it, so such a node's whole
+        subtree is unmarked and goes with it)."""
+        stack = [self._root]
+        self._root.workers.pop(worker, None)
+        while stack:
+            node = stack.pop()
+            for key, child in list(node.children.items()):
+                child.workers.pop(worker, None)
+                if child.workers:
+                    stack.append(child)
+                else:
+                    del node.children[key]
+                    self.size -= _subtree_size(child)
+
     def _split(self, child: _Node, k: int) -> _Node:
         """Cut `child`'s edge after k elements; returns the new middle node."""
         parent = child.parent
@@ -116,6 +132,15 @@ class PrefixTree:
                 assert leaf.parent is not None
                 del leaf.parent.children[leaf.label[0]]
                 self.size -= len(leaf.label)
+
+
+def _subtree_size(node: _Node) -> int:
+    total, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        total += len(n.label)
+        stack.extend(n.children.values())
+    return total
 
 
 def _normalise(seq: Sequence) -> Seq:

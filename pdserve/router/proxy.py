@@ -10,6 +10,13 @@ Failure rules:
   leg is aborted (`POST /abort_request` with the rid, and its connection closed) and
   the request is retried on another pair, `--retries` times. A connection-level
   failure also takes the worker out of rotation.
+- Load shedding: a 503 with `Retry-After` (a server whose queue is full) or a 503 saying
+  the server is draining, before anything reached the client, is retried on a pair
+  without that worker, whatever `--retries` says, until no candidate of the role is
+  left (each worker sheds a request at most once): only when every candidate shed it
+  does the client get the 503, with `Retry-After`. The other leg is aborted as for any
+  failed attempt (its room freed), and the retry draws fresh rooms and rids. A draining
+  worker also leaves rotation (not counted as a failure).
 - A 4xx from either leg is the answer (the other leg is aborted): the workers validate,
   the router passes their verdict and body through.
 - Once a streamed event has reached the client nothing is retried: a decode failure
@@ -38,7 +45,7 @@ from pdserve.router.logprobs import merge_prompt_logprobs, results_by_index, wan
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import Policy
 from pdserve.router.rooms import Shape, draw_rooms, leg_body, leg_rids, rid_list, routing_key, shape_of
-from pdserve.router.workers import Worker, WorkerRegistry
+from pdserve.router.workers import Worker, WorkerRegistry, says_draining
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +57,9 @@ ABORT_RETRY_S = 0.1
 # not answered yet before aborting it (decode only finishes after prefill's transfer, so
 # this is normally immediate).
 PREFILL_GRACE_S = 30.0
+# Causes of a 503 that means "not now, ask someone else" rather than "broken".
+SHED_CAUSES = ("shed", "draining")
+DEFAULT_RETRY_AFTER = "1"  # seconds, when no shedding worker named one
 
 
 @dataclass
@@ -58,6 +68,7 @@ class Reply:
     status: int
     content: bytes
     media_type: str = "application/json"
+    headers: dict[str, str] | None = None
 
 
 @dataclass
@@ -69,11 +80,13 @@ class Failure:
     status: int
     worker: Worker | None = None
     content: bytes | None = None  # the worker's own body, passed through when final
+    retry_after: str | None = None  # a shedding worker's Retry-After
 
     def reply(self) -> Reply:
+        headers = {"retry-after": self.retry_after} if self.retry_after is not None else None
         if self.content is not None:
-            return Reply(self.status, self.content)
-        return Reply(self.status, error_bytes(self.message, self.status))
+            return Reply(self.status, self.content, headers=headers)
+        return Reply(self.status, error_bytes(self.message, self.status), headers=headers)
 
 
 @dataclass
@@ -82,6 +95,7 @@ class _Leg:
     status: int | None = None
     content: bytes = b""
     error: BaseException | None = None
+    retry_after: str | None = None
 
 
 @dataclass
@@ -115,7 +129,10 @@ class Proxy:
         self._background: set[asyncio.Task] = set()
 
     # ---- choosing a pair -------------------------------------------------------------
-    def _pick(self, route: str, body: dict[str, Any], exclude: set[Worker]) -> tuple[Worker | None, Worker] | Failure:
+    def _pick(self, route: str, body: dict[str, Any], exclude: set[Worker],
+              shed: set[Worker] = frozenset()) -> tuple[Worker | None, Worker] | Failure | None:  # type: ignore[assignment]
+        """A pair, a Failure when a role has no healthy worker, or None when every healthy
+        worker of a role has shed this request already."""
         prefills = self.registry.healthy("prefill") if self.pd else []
         decodes = self.registry.healthy(self.decode_role)
         missing = (["prefill"] if self.pd and not prefills else []) + ([self.decode_role] if not decodes else [])
@@ -123,6 +140,11 @@ class Proxy:
             self.metrics.errors.labels("no_healthy_worker").inc()
             return Failure("no_healthy_worker", f"no healthy {' and no healthy '.join(missing)} worker "
                            "(the router has nobody to send the request to)", False, 503)
+        if shed:  # a worker that shed this request is not asked again
+            prefills = [w for w in prefills if w not in shed]
+            decodes = [w for w in decodes if w not in shed]
+            if (self.pd and not prefills) or not decodes:
+                return None
         # "Another pair": leave out the worker that just failed when there is a choice.
         prefills = [w for w in prefills if w not in exclude] or prefills
         decodes = [w for w in decodes if w not in exclude] or decodes
@@ -172,9 +194,19 @@ class Proxy:
         self.metrics.errors.labels("connect_error").inc()
         return Failure("connect_error", f"{what} failed: {reason}", True, 502, worker)
 
-    def _status_failure(self, worker: Worker, status: int, content: bytes) -> Failure:
+    def _status_failure(self, worker: Worker, status: int, content: bytes,
+                        retry_after: str | None = None) -> Failure:
         what = f"{worker.role} worker {worker.url}"
         message = _error_message(content) or f"HTTP {status}"
+        if status == 503 and (says_draining(content) or "draining" in message.lower()):
+            # Shutting down gracefully: out of rotation (not a failure), ask another worker.
+            self.registry.mark_draining(worker)
+            return Failure("draining", f"{what} is draining", True, status, worker, content, retry_after)
+        if status == 503 and retry_after is not None:
+            # Its queue is full (--max-queued-requests): another worker may have room.
+            self.metrics.errors.labels("shed").inc()
+            return Failure("shed", f"{what} shed the request: {message}", True, status, worker, content,
+                           retry_after)
         if status >= 500:
             self.metrics.errors.labels("worker_5xx").inc()
             return Failure("worker_5xx", f"{what}: {message}", True, status, worker, content)
@@ -202,7 +234,7 @@ class Proxy:
             return self._transport_failure(leg.worker, leg.error), None
         assert leg.status is not None
         if leg.status >= 400:
-            return self._status_failure(leg.worker, leg.status, leg.content), None
+            return self._status_failure(leg.worker, leg.status, leg.content, leg.retry_after), None
         try:
             payload = json.loads(leg.content)
         except ValueError:
@@ -219,8 +251,11 @@ class Proxy:
         try:
             r = await worker.client.post(worker.url + route, content=content, headers=self.headers)
             leg.status, leg.content = r.status_code, r.content
+            leg.retry_after = r.headers.get("retry-after")
         except httpx.HTTPError as exc:
             leg.error = exc
+        except RuntimeError as exc:  # its client closed: the worker was removed meanwhile
+            leg.error = httpx.TransportError(f"worker removed: {exc}")
         finally:
             worker.in_flight -= 1
         return leg
@@ -231,7 +266,11 @@ class Proxy:
         for w in workers:
             for rid in att.rids:
                 self.metrics.aborts.labels(w.role).inc()
-                self.spawn(self._abort(w, rid))
+                # Counted from now (not from when the task runs) to when it is over, even
+                # cancelled before it ran: a worker being removed keeps its client until then.
+                w.pending_aborts += 1
+                self.spawn(self._abort(w, rid)).add_done_callback(
+                    lambda _t, w=w: setattr(w, "pending_aborts", w.pending_aborts - 1))
 
     async def _abort(self, worker: Worker, rid: str) -> None:
         for _ in range(ABORT_TRIES):
@@ -242,6 +281,8 @@ class Proxy:
                     return
             except ValueError:
                 return  # not a pdserve answer: asking again will not change it
+            except RuntimeError:
+                return  # its client is closed: the worker is gone
             except httpx.HTTPError as exc:
                 # Tried again: the leg just cancelled on this worker can leave a pooled
                 # connection that fails once (seen as an abort lost under load); a worker
@@ -289,10 +330,18 @@ class Proxy:
         if busy is not None:  # (checked and registered with no await in between)
             return Reply(400, error_bytes(f"rid: {busy!r} is already in flight", 400, "rid"))
         shape = shape_of(route, body)
-        exclude: set[Worker] = set()
+        exclude: set[Worker] = set()   # failed: avoided when there is a choice
+        shed: set[Worker] = set()      # shed the request: never asked again for it
+        retry_afters: list[str] = []
         failure: Failure | None = None
-        for attempt in range(self.retries + 1):
-            pair = self._pick(route, body, exclude)
+        failed = 0
+        attempt = -1
+        while True:
+            attempt += 1
+            pair = self._pick(route, body, exclude, shed)
+            if pair is None:  # every candidate of a role shed it: the 503, with Retry-After
+                assert failure is not None
+                return self._shed_reply(failure, retry_afters)
             if isinstance(pair, Failure):
                 return pair.reply() if failure is None else failure.reply()
             if attempt:
@@ -313,10 +362,28 @@ class Proxy:
             failure = result
             if not failure.retryable or att.client_aborted:
                 break
+            if failure.cause in SHED_CAUSES and failure.worker is not None:
+                # Not a fault: bounded by the workers (each sheds it once), not by --retries.
+                shed.add(failure.worker)
+                if failure.retry_after is not None:
+                    retry_afters.append(failure.retry_after)
+                continue
+            failed += 1
+            if failed > self.retries:
+                break
             if failure.worker is not None:
                 exclude.add(failure.worker)
         assert failure is not None
         return failure.reply()
+
+    def _shed_reply(self, last: Failure, retry_afters: list[str]) -> Reply:
+        """Every candidate shed the request: the last worker's 503 with the soonest
+        Retry-After any of them gave (a number of seconds; else the last one's text)."""
+        seconds = [int(v) for v in retry_afters if v.strip().isdigit()]
+        value = str(min(seconds)) if seconds else (retry_afters[-1] if retry_afters else DEFAULT_RETRY_AFTER)
+        reply = last.reply()
+        reply.headers = {**(reply.headers or {}), "retry-after": value}
+        return reply
 
     async def _unary_attempt(self, att: _Attempt, content: bytes, body: dict[str, Any]) -> Reply | Failure:
         route = att.route
@@ -423,7 +490,7 @@ class Proxy:
             return self._transport_failure(leg.worker, leg.error), None
         assert leg.status is not None
         if leg.status >= 400:
-            return self._status_failure(leg.worker, leg.status, leg.content), None
+            return self._status_failure(leg.worker, leg.status, leg.content, leg.retry_after), None
         last: Any = None
         merged: dict[int, Any] = {}
         for line in leg.content.decode(errors="replace").splitlines():
@@ -456,7 +523,7 @@ class Proxy:
             resp = await worker.client.send(req, stream=True)
             if resp.status_code != 200:
                 body = await resp.aread()
-                return self._status_failure(worker, resp.status_code, body)
+                return self._status_failure(worker, resp.status_code, body, resp.headers.get("retry-after"))
             lines = resp.aiter_lines()
             async for line in lines:
                 if not line.startswith("data:"):
@@ -482,6 +549,8 @@ class Proxy:
                            True, 502, worker)
         except httpx.HTTPError as exc:
             return self._transport_failure(worker, exc)
+        except RuntimeError as exc:  # its client closed: the worker was removed meanwhile
+            return self._transport_failure(worker, httpx.TransportError(f"worker removed: {exc}"))
         finally:
             if not handed_over:
                 worker.in_flight -= 1
