@@ -123,6 +123,13 @@ class ServerArgs:
     max_request_bytes: int = 8 << 20
     # A client must deliver its request headers and body within this many seconds.
     request_read_timeout: float = 10.0
+    # Drain (SIGTERM or POST /drain): in-flight requests get this many seconds to finish
+    # (SGLang's flag name); the rest are then aborted with an error and the process exits 0.
+    graceful_shutdown_timeout: float = 30.0
+    # Load shedding: at most this many requests (samples) wait beyond the
+    # --max-running-requests slots; past it a new request gets 503 with Retry-After
+    # (pdserve/server/drain.py). None: unbounded.
+    max_queued_requests: int | None = None
     # A request's chat_template_kwargs may carry its own "chat_template" (Jinja run by the server).
     allow_client_chat_template: bool = False
     # The chat template of /v1/chat/completions instead of the tokenizer's: a Jinja file
@@ -204,6 +211,10 @@ class ServerArgs:
             raise bad("max_request_bytes", f"must be >= 1024, got {self.max_request_bytes}")
         if self.request_read_timeout <= 0:
             raise bad("request_read_timeout", f"must be > 0, got {self.request_read_timeout}")
+        if self.graceful_shutdown_timeout < 0:
+            raise bad("graceful_shutdown_timeout", f"must be >= 0, got {self.graceful_shutdown_timeout}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise bad("max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
         if self.log_level not in ("debug", "info", "warning", "error", "critical"):
             raise bad("log_level", f"invalid choice {self.log_level!r} (debug, info, warning, error, critical)")
         if self.model_path is not None and not os.path.isdir(self.model_path):

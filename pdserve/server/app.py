@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.config import ServerArgs
 from pdserve.server.http_common import error_body
+from pdserve.server.drain import Refused
 from pdserve.server.http_front import BodyLimit, KeyCheck
 from pdserve.server.native_routes import NativeRoutes
 from pdserve.server.openai_routes import OpenAIRoutes
@@ -32,6 +33,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_names: Sequenc
     app.exception_handler(StarletteHTTPException)(http_error)
     app.exception_handler(ServerUnavailable)(unavailable)
     app.exception_handler(ClientGone)(client_gone)
+    app.exception_handler(Refused)(refused)
     # The last added runs first: keys before the body is read, so that a client without
     # one cannot make the server buffer a body.
     app.add_middleware(BodyLimit, max_bytes=args.max_request_bytes)
@@ -79,6 +81,13 @@ async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 async def unavailable(_: Request, exc: ServerUnavailable) -> JSONResponse:
     return JSONResponse(error_body(str(exc), "server_error", None, 503), status_code=503)
+
+
+async def refused(_: Request, exc: Refused) -> JSONResponse:
+    """Draining, or the queue is full (pdserve/server/drain.py): the client may retry, here
+    after Retry-After seconds or at once on another server (nothing was generated)."""
+    return JSONResponse(error_body(exc.message, "server_error", None, 503), status_code=503,
+                        headers={"Retry-After": str(exc.retry_after)})
 
 
 async def client_gone(_: Request, exc: ClientGone) -> Response:

@@ -40,7 +40,7 @@ def error_body(message: str, kind: str, param: str | None, code: int | str) -> d
     """OpenAI's error shape, used by every route (SGLang's router expects it too)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 LINGER_S = 2.0                 # how long a closing connection drains what the client still sends
-ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache"})
+ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache", "/drain"})
 OPEN_PATHS = frozenset({"/health"})  # no key needed (load balancers, orchestrators)
 
 
@@ -83,9 +83,9 @@ def is_admin(scope: Scope, admin_api_key: str | None) -> bool:
 
 class KeyCheck:
     """ASGI middleware. With --api-key, every route but /health needs `Bearer KEY` (the admin
-    key is accepted too). With --admin-api-key, /abort_request and /flush_cache need
-    `Bearer ADMIN_KEY` (the API key is not enough: those act on other clients' requests
-    and on the shared cache). 401 otherwise."""
+    key is accepted too). With --admin-api-key, /abort_request, /flush_cache and /drain need
+    `Bearer ADMIN_KEY` (the API key is not enough: those act on other clients' requests,
+    on the shared cache and on the server's life). 401 otherwise."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None) -> None:
         self.app = app

@@ -7,10 +7,12 @@ children also die with this process if it is killed outright (PDEATHSIG).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -26,6 +28,7 @@ from pdserve.requests import RequestBuilder
 from pdserve.scheduler.worker import free_tcp_port
 from pdserve.server import ipc
 from pdserve.server.detokenizer import run_detokenizer_process
+from pdserve.server.drain import Drain, QueueLimit
 from pdserve.server.app import create_app
 from pdserve.server.http_front import MAX_HEADER_BYTES, protocol_class
 from pdserve.server.metrics import ServerMetrics
@@ -81,7 +84,36 @@ def stop_children(procs: list[Any]) -> None:
 
 
 class _Server(uvicorn.Server):
+    """uvicorn's server, but SIGTERM drains (pdserve/server/drain.py) instead of stopping.
+
+    uvicorn's own SIGTERM handling closes the listening socket at once (so /health could
+    not answer "draining" and Kubernetes' probes would see refused connections) and cuts
+    in-flight requests after `timeout_graceful_shutdown`. Here SIGTERM starts the drain,
+    which stops uvicorn (`should_exit`) once nothing is in flight. SIGINT (Ctrl-C) keeps
+    uvicorn's quick stop."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.loop: asyncio.AbstractEventLoop | None = None
+        drain.stop = self.request_exit
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGTERM and self.loop is not None and not self.should_exit:
+            # A signal handler runs between two bytecodes of the loop's thread: hand the
+            # drain to the loop. Not recorded in uvicorn's _captured_signals either, which
+            # it re-raises after serving: the process would die of SIGTERM, not exit 0.
+            # A second SIGTERM while draining changes nothing (a preStop POST /drain is
+            # usually followed by Kubernetes' SIGTERM).
+            self.loop.call_soon_threadsafe(self.drain.start, "SIGTERM")
+            return
+        super().handle_exit(sig, frame)
+
     async def startup(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.started:
             host, port = self.config.host, self.config.port
@@ -118,6 +150,9 @@ def launch(args: ServerArgs) -> int:
                                  args.random_seed)
         metrics = ServerMetrics()
         manager = TokenizerManager(builder, paths, metrics, procs)
+        drain = Drain(manager, args.graceful_shutdown_timeout)
+        manager.drain = drain
+        manager.queue_limit = QueueLimit(args.max_queued_requests, args.max_running_requests)
 
         def server_info() -> dict[str, Any]:
             return {"server_args": server_args_dict(args), "version": _version(),
@@ -133,12 +168,14 @@ def launch(args: ServerArgs) -> int:
         app = create_app(args, manager, args.served_names(), server_info)
         app.router.lifespan_context = lifespan
         # Slow, idle or oversized clients are cut off before they reach the app (http_front).
+        # timeout_graceful_shutdown: after a drain only finished responses are still being
+        # written; on Ctrl-C it is what in-flight requests get.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, http=protocol_class(args.request_read_timeout),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                                 timeout_keep_alive=min(5.0, args.request_read_timeout))
         quiet_uvicorn(args.log_level)  # after Config, which sets uvicorn's loggers up
-        server = _Server(config)
+        server = _Server(config, drain)
         logging.getLogger("uvicorn.access").addFilter(_quiet_probes)
         server.run()
         return 0

@@ -46,11 +46,28 @@ class ServiceRoutes:
         app.post("/flush_cache")(self.flush_cache)
         app.get("/metrics")(self.metrics)
         app.post("/abort_request")(self.abort_request)
+        app.post("/drain")(self.drain)
 
     async def health(self) -> Response:
         if self.manager.dead_reason:
             return JSONResponse(error_body(self.manager.dead_reason, "server_error", None, 503), status_code=503)
+        drain = self.manager.drain
+        if drain is not None and drain.draining:
+            # Out of rotation, not broken: a router reads "status" and sends elsewhere
+            # without counting a failure; Kubernetes' readiness probe fails.
+            body = {"status": "draining", **drain.status(),
+                    **error_body("server is draining (shutting down)", "server_error", None, 503)}
+            return JSONResponse(body, status_code=503)
         return Response(status_code=200)
+
+    async def drain(self) -> JSONResponse:
+        """Begin the drain SIGTERM begins (pdserve/server/drain.py): the process exits once
+        in-flight requests end or --graceful-shutdown-timeout passes. Idempotent."""
+        drain = self.manager.drain
+        if drain is None:
+            return JSONResponse(error_body("this server cannot drain", "server_error", None, 501), status_code=501)
+        started = drain.start("POST /drain")
+        return JSONResponse({"status": "draining", "started": started, **drain.status()})
 
     async def health_generate(self) -> Response:
         if self.args.disaggregation_mode != "null":
@@ -84,6 +101,8 @@ class ServiceRoutes:
         info["internal_state"] = await self.manager.get_state()
         # SGLang's top-level field (None without speculative decoding).
         info["avg_spec_accept_length"] = info["internal_state"].get("avg_spec_accept_length")
+        if self.manager.drain is not None:
+            info.update(self.manager.drain.status())  # "draining": whether a router should skip it
         return info
 
     async def flush_cache(self) -> Response:

@@ -25,6 +25,7 @@ from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import Command, NewRequest
 from pdserve.server import ipc
+from pdserve.server.drain import Drain, QueueLimit
 from pdserve.server.messages import Reply, TextBatch, TextUpdate
 from pdserve.server.metrics import ServerMetrics
 
@@ -126,6 +127,10 @@ class TokenizerManager:
         self.query_lock = asyncio.Lock()
         self.dead_reason: str | None = None
         self._tasks: list[asyncio.Task] = []
+        # Admission (pdserve/server/drain.py), set by launch: a draining server refuses
+        # new requests; --max-queued-requests bounds what waits for a running slot.
+        self.drain: Drain | None = None
+        self.queue_limit: QueueLimit | None = None
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watchdog())]
@@ -163,8 +168,15 @@ class TokenizerManager:
 
     async def submit(self, requests: Sequence[NewRequest]) -> Job:
         """Send the prompts of one HTTP request (built and validated by the RequestBuilder).
-        Raises ValueError if a rid is already in flight, ServerUnavailable if the server died."""
+        Raises ValueError if a rid is already in flight, ServerUnavailable if the server died,
+        drain.Refused while draining or when the queue is full."""
         self.check_alive()
+        # No await between this check and the insertion below: concurrent submissions
+        # are counted one after the other, so a burst cannot overshoot the limit.
+        if self.drain is not None:
+            self.drain.check()
+        if self.queue_limit is not None:
+            self.queue_limit.check(self.in_flight_samples(), sum(m.params.n for m in requests))
         live = [m.rid for m in requests if m.rid in self.requests]
         if live:
             raise ValueError(f"rid: {live[0]!r} is already in flight")
@@ -179,6 +191,30 @@ class TokenizerManager:
         if overtaken:
             await self.to_scheduler.send(ipc.dumps(Command(abort=overtaken)))
         return Job(states, queue)
+
+    def in_flight_requests(self) -> int:
+        """Prompts submitted and not finished (what a drain waits for)."""
+        return len(self.requests)
+
+    def in_flight_samples(self) -> int:
+        """Samples submitted and not finished: each needs a scheduler slot."""
+        return sum(len(st.samples) for st in self.requests.values())
+
+    async def abort_all(self, reason: str) -> int:
+        """End every request in flight now: its handler gets ServerUnavailable(reason) (its
+        one final outcome; later updates for it are dropped) and the scheduler aborts it,
+        freeing its KV. Returns how many prompts were cut off."""
+        states = list(self.requests.values())
+        if not states:
+            return 0
+        self.requests.clear()
+        for queue in {id(s.queue): s.queue for s in states}.values():
+            queue.put_nowait(reason)
+        for _ in states:
+            self.metrics.requests.labels(finish="abort").inc()
+        if self.dead_reason is None:
+            await self.to_scheduler.send(ipc.dumps(Command(abort=tuple(s.rid for s in states))))
+        return len(states)
 
     def _early_abort(self, rid: str) -> bool:
         """Whether an abort for `rid` overtook it within EARLY_ABORT_S (forgotten once asked)."""

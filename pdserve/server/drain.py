@@ -1,0 +1,134 @@
+"""Admission of new requests in the HTTP process: graceful drain and load shedding.
+
+**Drain** (SIGTERM, or `POST /drain` with the admin key when one is set): from that
+moment `/health` answers 503 `{"status": "draining", ...}` (so routers and Kubernetes
+take the server out of rotation) and new generation requests get 503. The requests
+already submitted keep running: a colocated or decode server finishes its running
+requests, a PD prefill server its KV transfers (a prefill request ends only once its
+transfer is acknowledged). After `--graceful-shutdown-timeout` seconds whatever is still
+in flight is aborted: its client gets a 503 error (or, on a stream, an error event and
+`[DONE]`) saying the server shut down. Then uvicorn stops and the process exits 0.
+
+**Load shedding** (`--max-queued-requests N`): the queue is counted here, in the HTTP
+process, at the moment a request is submitted, so a burst is refused as it arrives
+rather than after the scheduler's next report. A sample occupies one of the
+scheduler's `--max-running-requests` slots once it runs; what is in flight beyond those
+slots is waiting:
+
+    queued = max(0, in-flight samples - max_running_requests)
+
+A request of `k` samples is refused (503 with `Retry-After`) when it would make
+`queued` exceed N. When the scheduler runs fewer than `max_running_requests` at once
+(KV memory is the limit) more wait than this counts; the bound is on what the server
+has accepted, never unbounded. A server with nothing in flight accepts any one request,
+so a request of more than `max_running_requests + N` samples is not refused forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+logger = logging.getLogger("pdserve")
+
+# Seconds a refused client is told to wait (Retry-After): a slot frees within one
+# request's time, and a router retries another worker meanwhile.
+RETRY_AFTER_S = 1
+# How often the drain looks at what is still in flight.
+DRAIN_POLL_S = 0.05
+
+
+class Refused(Exception):
+    """A request refused before it was submitted: HTTP 503 with Retry-After (app.py)."""
+
+    def __init__(self, message: str, retry_after: int = RETRY_AFTER_S) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class QueueLimit:
+    """`--max-queued-requests` against the `--max-running-requests` slots."""
+    max_queued: int | None
+    max_running: int
+
+    def check(self, in_flight: int, new: int) -> None:
+        """Raise Refused if `new` more samples would queue past the limit."""
+        if self.max_queued is None or in_flight == 0:
+            return
+        queued = max(0, in_flight + new - self.max_running)
+        if queued > self.max_queued:
+            raise Refused(f"server overloaded: {max(0, in_flight - self.max_running)} requests already wait "
+                          f"beyond the {self.max_running} running slots (--max-queued-requests "
+                          f"{self.max_queued}); retry later or on another server")
+
+
+class InFlight(Protocol):
+    """What the drain needs of the TokenizerManager."""
+
+    def in_flight_requests(self) -> int: ...
+
+    async def abort_all(self, reason: str) -> int: ...
+
+
+class Drain:
+    """The drain of one server (see the module doc). `start` begins it (idempotent);
+    `stop` is called once everything in flight has ended, to stop uvicorn."""
+
+    def __init__(self, manager: InFlight, timeout: float) -> None:
+        self.manager = manager
+        self.timeout = timeout
+        self.since: float | None = None        # time.time() when the drain began
+        self.cause: str | None = None
+        self.aborted = 0                       # requests cut off at the deadline
+        self.done = False
+        self.stop: Callable[[], None] = lambda: None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.since is not None
+
+    def check(self) -> None:
+        """Raise Refused while draining (called before a request is submitted)."""
+        if self.draining:
+            raise Refused("server is draining (shutting down): it accepts no new requests; "
+                          "send this one to another server")
+
+    def start(self, cause: str) -> bool:
+        """Begin draining (on the event loop). False if a drain is already under way."""
+        if self.draining:
+            return False
+        self.since, self.cause = time.time(), cause
+        logger.info("draining (%s): %d request(s) in flight, up to %g s (--graceful-shutdown-timeout)",
+                    cause, self.manager.in_flight_requests(), self.timeout)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return True
+
+    async def _run(self) -> None:
+        try:
+            deadline = time.monotonic() + self.timeout
+            while self.manager.in_flight_requests() and time.monotonic() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+            if self.manager.in_flight_requests():
+                self.aborted = await self.manager.abort_all(
+                    f"server shut down: the request did not finish within the drain's "
+                    f"{self.timeout:g} s (--graceful-shutdown-timeout) and was aborted")
+                logger.warning("drain deadline reached: aborted %d request(s)", self.aborted)
+            else:
+                logger.info("drained: every request in flight finished")
+        except Exception:  # never leave the server half drained: stop it anyway
+            logger.exception("drain failed; stopping the server")
+        finally:
+            self.done = True
+            self.stop()
+
+    def status(self) -> dict[str, Any]:
+        """What /health and /get_server_info show of it."""
+        return {"draining": self.draining, "draining_since": self.since, "drain_cause": self.cause,
+                "in_flight_requests": self.manager.in_flight_requests(),
+                "graceful_shutdown_timeout": self.timeout}
