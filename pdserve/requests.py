@@ -11,7 +11,8 @@ Where each kind of check happens (HTTP server; the Engine enters at 3):
 2. The route (`server/openai_routes.py`, `server/native_routes.py`): rules of one API
    (model name, logprobs ranges, echo, prompt logprobs, the chat template) and the
    OpenAI token budget in its own names (`check_new_tokens`).
-3. Here: prompts, sampling parameters (`SamplingParams` checks its own ranges), the
+3. Here: prompts, sampling parameters (`SamplingParams` checks its own ranges; a
+   schema, regex or grammar is parsed by the grammar library), the
    `--max-n` limit, logprob arguments, lengths against the context, rids and the
    disaggregation addresses; the result is one `NewRequest` per prompt.
 4. `TokenizerManager.submit`: only what depends on the server's state (alive, rid
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from pdserve.sampling_params import MAX_NEW_TOKENS, SamplingParams
+from pdserve.scheduler.grammar import check_constraint
 from pdserve.scheduler.messages import Bootstrap, NewRequest
 
 
@@ -146,9 +148,10 @@ class RequestBuilder:
               ) -> list[NewRequest]:
         """Check what the prompts ask for as a whole and build one message per prompt.
         ``bootstrap``: per prompt, one address per sample (see `bootstrap_addresses`)."""
-        for p in params:
+        for p in set(params):
             if p.n > self.max_n:
                 raise ValueError(f"n: {p.n} is above the limit {self.max_n} (--max-n)")
+            check_constraint(p)
         self.check_logprob_args(return_logprob, top_logprobs_num)
         for ids, p in zip(prompts, params):
             self.check_lengths(ids, p, names)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 MAX_NEW_TOKENS = 1 << 20  # the largest max_new_tokens any API accepts
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,11 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Constrained decoding (SGLang's names; at most one): a JSON schema (as JSON text),
+    # a regular expression, or an EBNF grammar the output must match.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string / lists, store tuples (hashable, immutable).
@@ -46,6 +52,15 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field name, grammar text) of the constraint on the output, if any."""
+        for name in CONSTRAINT_FIELDS:
+            text = getattr(self, name)
+            if text is not None:
+                return name, text
+        return None
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any] | None) -> "SamplingParams":
@@ -98,3 +113,12 @@ class SamplingParams:
              "stop_token_ids", "must be a list of non-negative integers")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             need(isinstance(getattr(self, name), bool), name, "must be a boolean")
+        for name in CONSTRAINT_FIELDS:
+            need(getattr(self, name) is None or isinstance(getattr(self, name), str), name, "must be a string")
+        chosen = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"{', '.join(chosen)}: at most one of json_schema, regex and ebnf may be set")
+        # The grammar decides where a constrained output may end; a floor that bans the
+        # end tokens could leave no token the grammar allows.
+        need(not chosen or self.min_new_tokens == 0, "min_new_tokens",
+             f"must be 0 when {chosen[0] if chosen else ''} constrains the output")

@@ -17,19 +17,20 @@ import torch
 def upload(values: Sequence[int] | Sequence[float] | Sequence[bool], dtype: torch.dtype,
            device: torch.device) -> torch.Tensor:
     """A 1-D tensor of ``values`` on ``device`` without a host-device sync."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    # The caching host allocator keeps a pinned block alive until the copy that
-    # reads it has run, so reusing memory here cannot race with the transfer.
-    return host.pin_memory().to(device, non_blocking=True)
+    return upload_tensor(torch.tensor(values, dtype=dtype), device)
 
 
 def upload_rows(rows: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 2-D tensor (rows of equal length) on ``device`` without a host-device sync."""
-    host = torch.tensor(rows, dtype=dtype)
+    return upload_tensor(torch.tensor(rows, dtype=dtype), device)
+
+
+def upload_tensor(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host-device sync."""
     if device.type == "cpu":
         return host
+    # The caching host allocator keeps a pinned block alive until the copy that
+    # reads it has run, so reusing memory here cannot race with the transfer.
     return host.pin_memory().to(device, non_blocking=True)
 
 

@@ -118,6 +118,7 @@ class SamplingInfo:
     use_min_p: bool = True
     penalties: Penalties | None = None
     banned: torch.Tensor | None = None  # [R, V] bool: tokens not allowed yet (min_new_tokens)
+    allowed: torch.Tensor | None = None  # [R, ceil(V / 32)] int32 bits: what each row's grammar allows
 
 
 @dataclass
@@ -265,6 +266,12 @@ def _draw_free(logp: torch.Tensor, keys: torch.Tensor, min_ps: torch.Tensor | No
     return scores.argmax(dim=-1)
 
 
+def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, V] bool from packed int32 words (token t is bit t % 32 of word t // 32)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return (bits.unsqueeze(-1).bitwise_right_shift(shifts) & 1).bool().flatten(1)[:, :vocab]
+
+
 def sample(logits: torch.Tensor, info: SamplingInfo, want_logprobs: bool, top_k_logprobs: int
            ) -> SampleOutput:
     """logits: [R, V] float32, raw model output for each row to sample. Greedy rows
@@ -276,6 +283,8 @@ def sample(logits: torch.Tensor, info: SamplingInfo, want_logprobs: bool, top_k_
         work = apply_penalties(work, info.penalties)
     if info.banned is not None:
         work = work.masked_fill(info.banned, float("-inf"))
+    if info.allowed is not None:
+        work = work.masked_fill(~unpack_bits(info.allowed, work.shape[-1]), float("-inf"))
     greedy_ids = work.argmax(dim=-1)
     if info.all_greedy:
         next_ids = greedy_ids

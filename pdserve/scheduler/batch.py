@@ -132,7 +132,21 @@ class Sampler:
             flat = torch.zeros(len(reqs) * vocab_size, dtype=torch.bool, device=device)
             flat.index_fill_(0, device_io.upload(banned, torch.int64, device), True)
             info.banned = flat.view(len(reqs), vocab_size)
+        info.allowed = self.grammar_masks(reqs)
         return info
+
+    def grammar_masks(self, reqs: Sequence[Drawable]) -> torch.Tensor | None:
+        """[R, ceil(V / 32)] int32 packed masks of the tokens each row's grammar allows
+        (every bit set on unconstrained rows); None when no row is constrained."""
+        bits: torch.Tensor | None = None
+        for i, row in enumerate(reqs):
+            base, path = _committed(row)
+            if base is None or base.grammar is None:
+                continue
+            if bits is None:
+                bits = torch.full((len(reqs), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+            base.grammar.fill(bits, i, base.output_ids, path)
+        return None if bits is None else device_io.upload_tensor(bits, self.device)
 
     def penalties(self, reqs: Sequence[Drawable]) -> Penalties:
         """Penalty inputs of ``reqs``: exactly what counting every row's output and marking

@@ -56,6 +56,7 @@ class DecodeScheduler(Scheduler):
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        self.constrain(req)
         samples = split_samples(self, req)
         if not samples:
             return

@@ -91,6 +91,7 @@ class PrefillScheduler(Scheduler):
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        self.constrain(req)
         samples = split_samples(self, req)
         if not samples:
             return

@@ -58,6 +58,8 @@ class Req:
     retractions: int = 0
 
     finish: FinishReason | None = None
+    # Constrained decoding: where the output is in its grammar (scheduler.grammar.GrammarState)
+    grammar: Any = None
 
     # Disaggregation: where the other half of this request lives (None: colocated)
     bootstrap_host: str | None = None

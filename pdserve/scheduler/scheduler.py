@@ -34,6 +34,7 @@ from pdserve.model.runner import ForwardInput, ModelRunner
 from pdserve.scheduler.batch import Sampler, ScheduledBatch, StepOutput
 from pdserve.scheduler.decoding import PlainDecoding
 from pdserve.scheduler.faults import FaultIsolation
+from pdserve.scheduler.grammar import GrammarBackend
 from pdserve.scheduler.kv_manager import KVManager, pages_for, size_kv_pages
 from pdserve.scheduler.radix_cache import PrefixMatch
 from pdserve.scheduler.req import FinishKind, FinishReason, Req, stop_reason
@@ -103,10 +104,26 @@ class Scheduler(FaultIsolation):
         self.num_forward_steps = 0
         self.prompt_tokens_seen = 0   # prompt tokens of admitted requests
         self.cached_tokens_seen = 0   # of which served from the prefix cache
+        # Compiles the grammars of constrained requests; set by the builder, which
+        # holds the tokenizer (None: constrained requests are refused).
+        self.grammars: GrammarBackend | None = None
 
     # ---- requests ---------------------------------------------------------------
     def add(self, req: Req) -> None:
+        self.constrain(req)
         self.waiting.append(req)
+
+    def constrain(self, req: Req) -> None:
+        """Start compiling the grammar of a constrained request; each sample gets its own
+        matcher. A request waits for its compile in the queue (``admit`` passes it by)."""
+        constraint = req.params.constraint
+        if constraint is None:
+            return
+        if self.grammars is None:
+            raise ValueError(f"{constraint[0]}: this scheduler was built without a tokenizer, "
+                             "so it cannot constrain outputs")
+        for sample in [req] + req.pending_forks:
+            sample.grammar = self.grammars.state(sample.params)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> list[Req]:
         """Abort every sample of `rid`; returns the requests that were finished."""
@@ -229,6 +246,8 @@ class Scheduler(FaultIsolation):
                     self.waiting.remove(req)
                     out.finished += self.finish(req, refusal)
                     continue
+                if req.grammar is not None and not req.grammar.ready:
+                    continue  # still compiling: the requests behind it go first
                 if self.kv.free_rows < 1 + forks:
                     break
                 match = self.kv.match(req.fill_ids[:-1])
@@ -279,7 +298,11 @@ class Scheduler(FaultIsolation):
                                 f"the server has {self.kv.req_table.num_rows} (--max-running-requests)")
         ps = self.page_size
         need = pages_for(req.fill_len, ps) + (samples - 1) * (1 if req.fill_len % ps else 0)
-        return _too_big(need, self.kv.capacity) if need > self.kv.capacity else None
+        if need > self.kv.capacity:
+            return _too_big(need, self.kv.capacity)
+        if req.grammar is not None and req.grammar.error is not None:
+            return FinishReason(FinishKind.ABORT, message=f"{req.params.constraint[0]}: {req.grammar.error}")
+        return None
 
     def _unlock(self, match: PrefixMatch | None) -> None:
         if match is not None:
@@ -339,7 +362,16 @@ class Scheduler(FaultIsolation):
 
     # ---- stopping, retracting, releasing ----------------------------------------------------
     def stop_reason(self, req: Req) -> FinishReason | None:
-        return stop_reason(req, self.eos_ids, self.context_len, self.decode_text)
+        reason = stop_reason(req, self.eos_ids, self.context_len, self.decode_text)
+        grammar = req.grammar
+        if grammar is None or reason is not None and reason.kind is not FinishKind.LENGTH:
+            return reason
+        ended = grammar.advance(req.output_ids)
+        if grammar.rejected is not None:
+            return FinishReason(FinishKind.ABORT, server_error=True,
+                                message=f"internal error: token {grammar.rejected} left the output's grammar")
+        # A grammar that ended on its stop token ends the output even with ignore_eos.
+        return FinishReason(FinishKind.STOP, matched=req.output_ids[-1]) if ended and reason is None else reason
 
     def make_decode_room(self, out: StepOutput) -> None:
         """Retract requests until every running request can grow by the decode

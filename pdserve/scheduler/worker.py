@@ -27,6 +27,7 @@ from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.messages import Command
 from pdserve.scheduler.req import FinishKind, FinishReason, Req, samples_from_message
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
+from pdserve.scheduler.grammar import GrammarBackend
 from pdserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,11 @@ def build_scheduler(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, tp: 
 
     runner = ModelRunner(args, model_dir, tp)
     if args.disaggregation_mode == "null":
-        return Scheduler(args, runner, decode_text, tp)
-    return build_disagg_scheduler(args, runner, decode_text, tp)
+        sched = Scheduler(args, runner, decode_text, tp)
+    else:
+        sched = build_disagg_scheduler(args, runner, decode_text, tp)
+    sched.grammars = GrammarBackend(tokenizer, runner.config.vocab_size, runner.config.eos_token_ids)
+    return sched
 
 
 def build_disagg_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
@@ -205,4 +209,5 @@ def detached(req: Req) -> Req:
     """A finished request without scheduler-owned handles, safe to pickle."""
     req.lock_node = None
     req.pending_forks = []
+    req.grammar = None
     return req

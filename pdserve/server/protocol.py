@@ -88,20 +88,25 @@ class SGLangExtensions(_Strict):
     # --allow-client-chat-template, arguments of the template call always
     # (`openai_routes.check_chat_template_kwargs`).
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    # Would change results: refused when set.
-    continue_final_message: Optional[bool] = None
-    return_hidden_states: Optional[bool] = None
+    # Constrained decoding (at most one, nor with response_format): a JSON schema as a
+    # string, a regular expression, an EBNF grammar.
     regex: Optional[str] = None
     json_schema: Optional[str] = None
     ebnf: Optional[str] = None
+    # OpenAI's: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
+    # {"name": ..., "schema": {...}}} (checked by `openai_routes.response_format_schema`).
+    response_format: Optional[Any] = None
+    # Would change results: refused when set.
+    continue_final_message: Optional[bool] = None
+    return_hidden_states: Optional[bool] = None
     lora_path: Optional[Any] = None
 
 
 # Fields refused whenever they are set to something other than "off".
-UNSUPPORTED = ("functions", "function_call", "response_format", "logit_bias",
+UNSUPPORTED = ("functions", "function_call", "logit_bias",
                "suffix", "audio", "modalities", "prediction", "web_search_options", "return_hidden_states",
-               "regex", "json_schema", "ebnf", "lora_path", "reasoning_effort", "continue_final_message",
-               "background", "return_bytes", "return_entropy", "return_text_in_logprobs", "return_routed_experts",
+               "lora_path", "reasoning_effort", "continue_final_message",
+               "background", "return_bytes", "return_entropy", "return_routed_experts",
                "token_ids_logprob", "image_data")
 _OFF_VALUES: tuple[Any, ...] = (None, False, {}, [], "none", "auto", "text", {"type": "text"})
 
@@ -202,7 +207,6 @@ class ChatCompletionRequest(SGLangExtensions):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     functions: Optional[list[Any]] = None
     function_call: Optional[Any] = None
-    response_format: Optional[Any] = None
     logit_bias: Optional[dict[str, float]] = None
     audio: Optional[Any] = None
     modalities: Optional[list[str]] = None
@@ -236,7 +240,8 @@ class GenerateRequest(_Strict):
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    logprob_start_len: Optional[int] = None   # -1 (or unset): output logprobs only; prompt logprobs refused
+    logprob_start_len: Optional[int] = None   # -1 (or unset): output logprobs only; >= 0: prompt logprobs too
+    return_text_in_logprobs: Optional[bool] = None  # true: logprob entries carry the token's text
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
     # Prefill/decode disaggregation (set by a PD router; per sample when lists)
@@ -250,7 +255,6 @@ class GenerateRequest(_Strict):
     # Would change the response: refused when set. SGLang's benchmark client sends
     # lora_path null and return_routed_experts false with every request.
     return_hidden_states: Optional[bool] = None
-    return_text_in_logprobs: Optional[bool] = None
     background: Optional[bool] = None
     return_bytes: Optional[bool] = None
     return_entropy: Optional[bool] = None
