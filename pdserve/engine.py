@@ -136,12 +136,12 @@ class Engine:
     def generate(self, prompt: str | Sequence[str] | None = None,
                  sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0
+                 return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1
                  ) -> dict[str, Any] | list[dict[str, Any]]:
         b = self.builder
         prompts, single = b.token_ids(prompt, input_ids)
         params = b.sampling_params(sampling_params, len(prompts))
-        requests = b.build(prompts, params, return_logprob, top_logprobs_num)
+        requests = b.build(prompts, params, return_logprob, top_logprobs_num, logprob_start_len=logprob_start_len)
         finished = self._run(requests)
         results = [self._result(finished[(m.rid, j)]) for m in requests for j in range(m.params.n)]
         if single:

@@ -23,8 +23,11 @@ class _Server(uvicorn.Server):
         if self.started:
             cfg = self.cfg
             mode = "PD" if cfg.pd_disaggregation else "plain"
-            print(f"pdserve router ({mode} mode) ready on http://{cfg.host}:{cfg.port}: "
-                  + ", ".join(f"{w.role} {w.url}" for w in cfg.all_workers), flush=True)
+            found = [f"{w.role} {w.url}" for w in cfg.all_workers]
+            if cfg.service_discovery:
+                found.append("workers from Kubernetes pod discovery")
+            print(f"pdserve router ({mode} mode) ready on http://{cfg.host}:{cfg.port}: " + ", ".join(found),
+                  flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -39,7 +42,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Slow, idle or oversized clients are cut off before they reach the app, as on the servers.
-    config = uvicorn.Config(create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+    try:
+        app = create_app(cfg)  # --service-discovery: refused here without the kubernetes package
+    except ConfigError as exc:
+        sys.stderr.write(f"python -m pdserve.router: error: {exc}\n")
+        raise SystemExit(2) from None
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
                             access_log=False, http=protocol_class(cfg.request_read_timeout),
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_keep_alive=min(5.0, cfg.request_read_timeout))

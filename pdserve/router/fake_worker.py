@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 @dataclass
 class Faults:
     healthy: bool = True
-    draining: bool = False           # /health answers 503 {"status": "draining"} (graceful drain)
+    draining: bool = False           # /health and new requests: 503 {"status": "draining"} (graceful drain)
     health_delay_s: float = 0.0      # /health answers this late (a hung worker)
     fail_status: int | None = None   # answer the next `fail_count` generation requests with this status
     fail_count: int = 0
@@ -37,6 +37,7 @@ class Faults:
     drop_after_events: int | None = None  # streams: close the connection after this many events
     hold: bool = False               # keep requests open until aborted (or released)
     shed_count: int = 0              # answer the next requests 503 + Retry-After (a full queue)
+    gate: threading.Event | None = None  # hold each request (once received) until the test sets it
     retry_after: str = "2"
 
 
@@ -172,6 +173,10 @@ def build_app(w: FakeWorker) -> FastAPI:
         if body.get("unknown_field") is not None:
             return _err("unknown_field: unsupported field", 400, "unknown_field")
         f = w.faults
+        if f.draining:  # as the servers' graceful drain: new requests refused, naming it
+            return JSONResponse({"status": "draining", "error": {
+                "message": "the server is draining (shutting down): send the request elsewhere",
+                "type": "server_error", "param": None, "code": 503}}, status_code=503)
         if f.shed_count > 0:  # as the servers' --max-queued-requests: refused before any work
             f.shed_count -= 1
             w.shed.append(body.get("rid"))
@@ -202,6 +207,8 @@ def build_app(w: FakeWorker) -> FastAPI:
             for r in rids:
                 w.live.pop(r, None)
             raise
+        while f.gate is not None and not f.gate.is_set():  # the test releases it (polled: another thread)
+            await asyncio.sleep(0.01)
         count = 1 if w.role == "prefill" else max(1, min(w.tokens, _max_tokens(route, body, w.tokens)))
         if body.get("stream") is True:
             return StreamingResponse(stream(route, body, rids, prompts, n, count, aborted),

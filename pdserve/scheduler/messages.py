@@ -32,6 +32,9 @@ class NewRequest:
     seeds: tuple[int, ...]                      # one per sample, sample 0 first
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Prompt logprobs (SGLang's logprob_start_len): -1 none, else from this prompt position
+    # on (checked against the prompt by the sender).
+    logprob_start_len: int = -1
     # One per sample on a prefill or decode server (every sample crosses in its own
     # room); None when colocated.
     bootstrap: tuple[Bootstrap, ...] | None = None

@@ -29,6 +29,10 @@ class TokenUpdate:
     spec_verify_ct: int             # speculative verify rounds so far (0 without speculation)
     spec_accepted_drafts: int
     params: SamplingParams | None   # first update of a sample only (detokenizer needs it)
+    # Prompt logprobs (logprob_start_len >= 0), first update of a sample only: from that
+    # prompt position on, the first prompt token's None; None when not computed here.
+    input_logprobs: tuple[float | None, ...] | None = None
+    input_top_logprobs: tuple[tuple[tuple[float, int], ...] | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,17 +10,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.config import ServerArgs
 from pdserve.scheduler.messages import NewRequest
 from pdserve.server.http_common import bootstrap_of, client_gone, client_rids, error_body, sse
-from pdserve.server.protocol import ApiError, GenerateRequest, from_value_error, refuse_unsupported
-from pdserve.server.results import SampleOutput, native_result
+from pdserve.server.protocol import GenerateRequest, from_value_error, refuse_unsupported
+from pdserve.server.results import SampleOutput, TokenTexts, native_result
 from pdserve.server.tokenizer_manager import Job, ServerUnavailable, TokenizerManager
 
 
 def check_generate_fields(req: GenerateRequest) -> None:
-    """What /generate refuses beyond its schema."""
+    """What /generate refuses beyond its schema (logprob_start_len is checked against the
+    prompts when they are tokenized)."""
     refuse_unsupported(req)
-    if req.logprob_start_len is not None and req.logprob_start_len != -1:
-        raise ApiError("logprob_start_len: prompt logprobs are not supported (only -1: output logprobs)",
-                       "logprob_start_len")
 
 
 def generate_requests(args: ServerArgs, manager: TokenizerManager, req: GenerateRequest
@@ -33,11 +31,13 @@ def generate_requests(args: ServerArgs, manager: TokenizerManager, req: Generate
     rids = None
     if req.rid is not None:
         rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
+    start = -1 if req.logprob_start_len is None else req.logprob_start_len
     return b.build(prompts, params, req.return_logprob, req.top_logprobs_num, rids,
-                   bootstrap_of(args, req, params)), single
+                   bootstrap_of(args, req, params), logprob_start_len=start), single
 
 
-async def generate_events(manager: TokenizerManager, job: Job) -> AsyncIterator[str]:
+async def generate_events(manager: TokenizerManager, job: Job, token_text: TokenTexts | None
+                          ) -> AsyncIterator[str]:
     """A streamed /generate: per update, the sample's result so far (cumulative text)."""
     try:
         async for state, update in manager.stream(job):
@@ -45,7 +45,7 @@ async def generate_events(manager: TokenizerManager, job: Job) -> AsyncIterator[
                 # `index` tells the samples of a batch or of n > 1 apart (as in SGLang).
                 index = job.flat_index(state, update.token.index)
                 sample = state.samples[update.token.index]
-                yield sse(dict(native_result(SampleOutput.of_sample(state, sample)), index=index))
+                yield sse(dict(native_result(SampleOutput.of_sample(state, sample), token_text), index=index))
     except ServerUnavailable as exc:
         yield sse(error_body(str(exc), "server_error", None, 503))
     yield sse("[DONE]")
@@ -55,6 +55,7 @@ class NativeRoutes:
     def __init__(self, args: ServerArgs, manager: TokenizerManager) -> None:
         self.args = args
         self.manager = manager
+        self.texts = TokenTexts(manager.tokenizer)
 
     def register(self, app: FastAPI) -> None:
         app.post("/generate")(self.generate)
@@ -67,8 +68,9 @@ class NativeRoutes:
                 job = await self.manager.submit(requests)
         except ValueError as exc:
             raise from_value_error(exc) from None
+        token_text = self.texts if req.return_text_in_logprobs else None
         if req.stream:
-            return StreamingResponse(generate_events(self.manager, job), media_type="text/event-stream")
+            return StreamingResponse(generate_events(self.manager, job, token_text), media_type="text/event-stream")
         await self.manager.wait(job, client_gone(request))
-        results = [native_result(SampleOutput.of_sample(st, s)) for st in job.states for s in st.samples]
+        results = [native_result(SampleOutput.of_sample(st, s), token_text) for st in job.states for s in st.samples]
         return JSONResponse(results[0] if single and len(results) == 1 else results)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from pdserve.scheduler.req import Req
     from pdserve.server.tokenizer_manager import RequestState, SampleResult
 
 TopLogprobs = Sequence[Sequence[tuple[float, int]]]  # per output token: (logprob, token id) best first
+# Per prompt token from logprob_start_len on; the first prompt token's entries are None.
+PromptLogprobs = Sequence["float | None"]
+PromptTopLogprobs = Sequence["Sequence[tuple[float, int]] | None"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,12 @@ class SampleOutput:
     spec_accepted_drafts: int
     logprobs: Sequence[float] | None           # None: not asked for
     top_logprobs: TopLogprobs | None           # None: not asked for
+    # Prompt logprobs: `logprob_start_len` -1 when not asked for; the values None when
+    # asked but computed elsewhere (a decode server: its prefill peer has them).
+    prompt_ids: Sequence[int] = ()
+    logprob_start_len: int = -1
+    input_logprobs: PromptLogprobs | None = None
+    input_top_logprobs: PromptTopLogprobs | None = None
 
     @classmethod
     def of_req(cls, req: "Req", text: str) -> "SampleOutput":
@@ -43,7 +52,9 @@ class SampleOutput:
                    cached_tokens=req.cached_tokens, retractions=req.retractions,
                    spec_verify_ct=req.spec_verify_ct, spec_accepted_drafts=req.spec_accepted_drafts,
                    logprobs=req.output_logprobs if req.return_logprob else None,
-                   top_logprobs=req.output_top_logprobs if req.top_logprobs_num else None)
+                   top_logprobs=req.output_top_logprobs if req.top_logprobs_num else None,
+                   prompt_ids=req.prompt_ids, logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+                   input_logprobs=req.input_logprobs, input_top_logprobs=req.input_top_logprobs)
 
     @classmethod
     def of_sample(cls, state: "RequestState", s: "SampleResult") -> "SampleOutput":
@@ -52,11 +63,18 @@ class SampleOutput:
                    finish=s.finish, cached_tokens=s.cached_tokens, retractions=s.retractions,
                    spec_verify_ct=s.spec_verify_ct, spec_accepted_drafts=s.spec_accepted_drafts,
                    logprobs=s.logprobs if state.return_logprob else None,
-                   top_logprobs=s.top_logprobs if state.top_logprobs_num else None)
+                   top_logprobs=s.top_logprobs if state.top_logprobs_num else None,
+                   prompt_ids=state.prompt_ids,
+                   logprob_start_len=state.logprob_start_len if state.return_logprob else -1,
+                   input_logprobs=s.input_logprobs, input_top_logprobs=s.input_top_logprobs)
 
 
-def native_result(out: SampleOutput) -> dict[str, Any]:
-    """SGLang's result object; logprob entries are (logprob, token id, token text=None)."""
+def native_result(out: SampleOutput, token_text: Callable[[int], str] | None = None) -> dict[str, Any]:
+    """SGLang's result object; logprob entries are (logprob, token id, token text), the
+    text None unless ``token_text`` is given (SGLang's return_text_in_logprobs)."""
+    def entry(lp: float | None, t: int) -> tuple[float | None, int, str | None]:
+        return lp, t, token_text(t) if token_text is not None else None
+
     finish = dict(out.finish) if out.finish is not None else None
     if finish is not None and finish.get("type") == "length":
         finish["length"] = len(out.output_ids)  # SGLang says how long the output got
@@ -68,9 +86,17 @@ def native_result(out: SampleOutput) -> dict[str, Any]:
         meta["spec_verify_ct"] = out.spec_verify_ct
         meta["spec_accepted_drafts"] = out.spec_accepted_drafts
     if out.logprobs is not None:
-        meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(out.logprobs, out.output_ids)]
+        meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(out.logprobs, out.output_ids)]
     if out.top_logprobs is not None:
-        meta["output_top_logprobs"] = [[(lp, t, None) for lp, t in step] for step in out.top_logprobs]
+        meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in step] for step in out.top_logprobs]
+    if out.logprob_start_len >= 0:
+        # Empty where this server did not run the prompt (decode of a PD pair): SGLang's
+        # router and pdserve's fill them from the prefill server's answer.
+        lps = out.input_logprobs or ()
+        meta["input_token_logprobs"] = [entry(lp, t) for lp, t in zip(lps, out.prompt_ids[out.logprob_start_len:])]
+        if out.top_logprobs is not None:
+            meta["input_top_logprobs"] = [None if step is None else [entry(lp, t) for lp, t in step]
+                                          for step in (out.input_top_logprobs or ())]
     return {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
 
 
@@ -116,6 +142,25 @@ def completion_logprobs(texts: TokenTexts, ids: Sequence[int], lps: Sequence[flo
             else [None] * len(ids),
             "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
             if tokens else []}
+
+
+def echo_logprobs(texts: TokenTexts, prompt_ids: Sequence[int], lps: PromptLogprobs | None,
+                  tops: PromptTopLogprobs | None) -> dict[str, Any]:
+    """The echoed prompt's part of completions logprobs (computed from prompt position 0),
+    offsets from the start of the text as vLLM counts them: the first token's logprob and
+    top entry null, as OpenAI's; every value null where the prompt ran on another server
+    (a decode server of a PD pair: the router fills them from the prefill server's answer)."""
+    tokens = [texts(t) for t in prompt_ids]
+    n = len(tokens)
+    return {"tokens": tokens, "token_logprobs": list(lps) if lps is not None else [None] * n,
+            "top_logprobs": [None if step is None else {texts(t): lp for lp, t in step} for step in tops]
+            if tops is not None else [None] * n,
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []}
+
+
+def joined_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two consecutive runs of completions logprobs as one (the prompt's, the output's)."""
+    return {key: first[key] + then[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def chat_logprobs(texts: TokenTexts, ids: Sequence[int], lps: Sequence[float],

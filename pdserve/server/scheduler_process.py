@@ -69,7 +69,10 @@ class ZmqIO:
             finish=req.finish.to_dict() if req.finish is not None else None,
             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
             completion_tokens=end, retractions=req.retractions, spec_verify_ct=req.spec_verify_ct,
-            spec_accepted_drafts=req.spec_accepted_drafts, params=req.params if first else None)
+            spec_accepted_drafts=req.spec_accepted_drafts, params=req.params if first else None,
+            input_logprobs=tuple(req.input_logprobs) if first and req.input_logprobs is not None else None,
+            input_top_logprobs=tuple(None if t is None else tuple(t) for t in req.input_top_logprobs)
+            if first and req.input_top_logprobs is not None else None)
 
 
 def die_with_parent() -> None:

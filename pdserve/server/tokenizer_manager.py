@@ -44,6 +44,10 @@ class SampleResult:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[float, int], ...]] = field(default_factory=list)
+    # Prompt logprobs as the scheduler computed them (None: not asked, or computed by the
+    # prefill server of a PD pair)
+    input_logprobs: tuple[float | None, ...] | None = None
+    input_top_logprobs: tuple[tuple[tuple[float, int], ...] | None, ...] | None = None
     finish: dict[str, Any] | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -61,6 +65,7 @@ class RequestState:
     queue: asyncio.Queue  # shared by every prompt of one HTTP request
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -182,7 +187,8 @@ class TokenizerManager:
             raise ValueError(f"rid: {live[0]!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
         states = [RequestState(m.rid, list(m.prompt_ids), m.params, [SampleResult(j) for j in range(m.params.n)],
-                               queue, return_logprob=m.return_logprob, top_logprobs_num=m.top_logprobs_num)
+                               queue, return_logprob=m.return_logprob, top_logprobs_num=m.top_logprobs_num,
+                               logprob_start_len=m.logprob_start_len)
                   for m in requests]
         for state in states:
             self.requests[state.rid] = state
@@ -328,6 +334,9 @@ class TokenizerManager:
         sample.output_ids.extend(tok.new_ids)
         sample.logprobs.extend(tok.new_logprobs)
         sample.top_logprobs.extend(tok.new_top_logprobs)
+        if tok.input_logprobs is not None:
+            sample.input_logprobs = tok.input_logprobs
+            sample.input_top_logprobs = tok.input_top_logprobs
         sample.prompt_tokens = tok.prompt_tokens
         sample.cached_tokens = tok.cached_tokens
         sample.retractions = tok.retractions
