@@ -142,34 +142,52 @@ class RequestBuilder:
                 or not 0 <= top_logprobs_num <= 20:
             raise ValueError(f"top_logprobs_num: must be an integer in [0, 20], got {top_logprobs_num!r}")
 
+    @staticmethod
+    def check_logprob_start_len(start: Any, prompts: list[list[int]]) -> None:
+        """SGLang's logprob_start_len: -1 (output logprobs only) or a position of every prompt."""
+        if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+            raise ValueError(f"logprob_start_len: must be -1 (no prompt logprobs) or a prompt position >= 0, "
+                             f"got {start!r}")
+        for ids in prompts:
+            if start >= len(ids):
+                raise ValueError(f"logprob_start_len: {start} is beyond the prompt ({len(ids)} tokens: "
+                                 f"positions 0 to {len(ids) - 1})")
+
     def build(self, prompts: list[list[int]], params: list[SamplingParams], return_logprob: Any,
               top_logprobs_num: Any, rids: list[str] | None = None,
-              bootstrap: list[tuple[Bootstrap, ...]] | None = None, names: ApiFields = NATIVE_FIELDS
-              ) -> list[NewRequest]:
+              bootstrap: list[tuple[Bootstrap, ...]] | None = None, names: ApiFields = NATIVE_FIELDS,
+              logprob_start_len: Any = -1) -> list[NewRequest]:
         """Check what the prompts ask for as a whole and build one message per prompt.
-        ``bootstrap``: per prompt, one address per sample (see `bootstrap_addresses`)."""
+        ``bootstrap``: per prompt, one address per sample (see `bootstrap_addresses`).
+        ``logprob_start_len`` >= 0: prompt logprobs from there on, when logprobs are asked."""
         for p in set(params):
             if p.n > self.max_n:
                 raise ValueError(f"n: {p.n} is above the limit {self.max_n} (--max-n)")
             check_constraint(p)
         self.check_logprob_args(return_logprob, top_logprobs_num)
+        self.check_logprob_start_len(logprob_start_len, prompts)
+        if not (return_logprob or top_logprobs_num):
+            logprob_start_len = -1  # as SGLang: without return_logprob nothing is computed
         for ids, p in zip(prompts, params):
             self.check_lengths(ids, p, names)
         if rids is not None and (len(rids) != len(prompts) or len(set(rids)) != len(rids)):
             raise ValueError("rid: one distinct rid per prompt is required")
         return [self.group(ids, p, return_logprob, top_logprobs_num, rid=rids[i] if rids else None,
-                           bootstrap=bootstrap[i] if bootstrap is not None else None)
+                           bootstrap=bootstrap[i] if bootstrap is not None else None,
+                           logprob_start_len=logprob_start_len)
                 for i, (ids, p) in enumerate(zip(prompts, params))]
 
     def group(self, ids: Sequence[int], p: SamplingParams, return_logprob: bool, top_logprobs_num: int,
-              rid: str | None = None, bootstrap: tuple[Bootstrap, ...] | None = None) -> NewRequest:
+              rid: str | None = None, bootstrap: tuple[Bootstrap, ...] | None = None,
+              logprob_start_len: int = -1) -> NewRequest:
         """The message for the n samples of one prompt (samples 2..n are forked from the
         first after prefill); unchecked: `build` is the validating entry point."""
         base = p.seed if p.seed is not None else self._rng.getrandbits(63)
         return NewRequest(rid=rid or uuid.uuid4().hex, prompt_ids=tuple(ids), params=p,
                           seeds=tuple(sample_seed(base, j) for j in range(p.n)),
                           return_logprob=return_logprob or top_logprobs_num > 0,
-                          top_logprobs_num=top_logprobs_num, bootstrap=bootstrap)
+                          top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+                          bootstrap=bootstrap)
 
 
 def check_new_tokens(max_new_tokens: int, min_new_tokens: int, names: ApiFields) -> None:

@@ -92,6 +92,13 @@ class PrefillScheduler(Scheduler):
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:
         self.constrain(req)
+        if req.params.max_new_tokens == 0 and req.logprob_start_len >= 0:
+            # Scoring a prompt (echo + logprobs, max_tokens 0): nothing crosses to decode
+            # (it ends the request on arrival), but this server runs prompts, so it computes
+            # their logprobs as a colocated server does; the router merges them into
+            # decode's answer. No room is opened.
+            self.waiting.append(req)
+            return
         samples = split_samples(self, req)
         if not samples:
             return

@@ -49,6 +49,12 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    # Prompt logprobs (see scheduler/prompt_logprobs.py): -1 none; else one entry per prompt
+    # token from this position on, the first prompt token's None. Filled chunk by chunk
+    # during prefill; the samples of one prompt share the lists (computed once).
+    logprob_start_len: int = -1
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
     # KV state
     row: int | None = None         # request-table row while the request holds KV
@@ -102,7 +108,7 @@ def samples_from_message(msg: NewRequest) -> list[Req]:
         where = msg.bootstrap[j] if msg.bootstrap is not None else None
         samples.append(Req(rid=msg.rid, prompt_ids=list(msg.prompt_ids), params=msg.params, seed=seed,
                            return_logprob=msg.return_logprob, top_logprobs_num=msg.top_logprobs_num,
-                           sample_index=j,
+                           logprob_start_len=msg.logprob_start_len, sample_index=j,
                            bootstrap_host=where.host if where else None,
                            bootstrap_port=where.port if where else None,
                            bootstrap_room=where.room if where else None))

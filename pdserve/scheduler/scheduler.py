@@ -35,6 +35,7 @@ from pdserve.scheduler.batch import Sampler, ScheduledBatch, StepOutput
 from pdserve.scheduler.decoding import PlainDecoding
 from pdserve.scheduler.faults import FaultIsolation
 from pdserve.scheduler.grammar import GrammarBackend
+from pdserve.scheduler import prompt_logprobs
 from pdserve.scheduler.kv_manager import KVManager, pages_for, size_kv_pages
 from pdserve.scheduler.radix_cache import PrefixMatch
 from pdserve.scheduler.req import FinishKind, FinishReason, Req, stop_reason
@@ -250,7 +251,10 @@ class Scheduler(FaultIsolation):
                     continue  # still compiling: the requests behind it go first
                 if self.kv.free_rows < 1 + forks:
                     break
-                match = self.kv.match(req.fill_ids[:-1])
+                prompt_logprobs.begin(req)
+                # Positions whose prompt logprobs are still wanted must be computed.
+                bound = prompt_logprobs.cache_bound(req)
+                match = self.kv.match(req.fill_ids[:-1] if bound is None else req.fill_ids[:bound])
                 start = match.slots.numel()
             else:
                 start = req.kv_len
@@ -318,13 +322,17 @@ class Scheduler(FaultIsolation):
     def _prefill_batch(self, admitted: list[tuple[Req, int]]) -> ScheduledBatch:
         ids: list[int] = []
         sample_index: list[int] = []
+        logprob_index: list[int] = []  # prompt-logprob positions: their logits rows follow the sampling rows
         for req, extend in admitted:
+            lo, hi = prompt_logprobs.span(req, req.kv_len + extend)
+            assert lo >= req.kv_len or lo == hi, "prompt-logprob positions were skipped"
+            logprob_index += range(len(ids) + lo - req.kv_len, len(ids) + hi - req.kv_len)
             ids += req.fill_ids[req.kv_len: req.kv_len + extend]
             if req.kv_len + extend == req.fill_len:
                 sample_index.append(len(ids) - 1)
         reqs = [r for r, _ in admitted]
         fwd = ForwardInput.upload(ids, [r.row for r in reqs], [r.kv_len for r in reqs], [e for _, e in admitted],
-                                  sample_index, self.device)
+                                  sample_index + logprob_index, self.device)
         for req, extend in admitted:
             req.kv_len += extend  # KV is written by this forward
         return ScheduledBatch("prefill", reqs, fwd)
@@ -332,17 +340,22 @@ class Scheduler(FaultIsolation):
     def _process_prefill(self, batch: ScheduledBatch, logits: torch.Tensor, out: StepOutput) -> None:
         """Draw the first token of every request whose prompt is now complete (its
         other samples forked from it first); chunks of longer prompts draw nothing."""
+        self._record_prompt_logprobs(batch, logits)
         row = 0
         for req in batch.reqs:
             if req.kv_len < req.fill_len:
                 continue
             if req.params.max_new_tokens == 0 and not req.output_ids:
+                for child in req.pending_forks:  # scored prompts (echo, max_tokens 0): every sample reports them
+                    child.input_logprobs, child.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
                 out.finished += self.finish(req, FinishReason(FinishKind.LENGTH))
                 row += 1
                 continue
             # The prompt goes into the prefix cache now, locked for every sample
             # (a later request sharing it hits while this one still runs).
             children, req.pending_forks = req.pending_forks, []
+            for child in children:  # one prompt, one set of prompt logprobs
+                child.input_logprobs, child.input_top_logprobs = req.input_logprobs, req.input_top_logprobs
             batch.sampling_reqs += [req] + children  # (first: a failure below ends them too)
             batch.sampling_rows += [row] * (1 + len(children))
             self.kv.fork(req, children, own_last_position=self.spec is not None)
@@ -359,6 +372,15 @@ class Scheduler(FaultIsolation):
         if self.decodes:
             held = {id(r): r for r in batch.reqs + reqs if r.row is not None}
             self.decoding.prefilled(list(held.values()))
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """The prompt logprobs this prefill's logits hold (rows after the sampling rows,
+        laid out by ``_prefill_batch``)."""
+        spans = [(r, *prompt_logprobs.span(r, r.kv_len)) for r in batch.reqs]
+        spans = [(r, lo, hi) for r, lo, hi in spans if hi > lo]
+        if spans:
+            first = sum(1 for r in batch.reqs if r.kv_len >= r.fill_len)
+            prompt_logprobs.record(spans, logits[first:])
 
     # ---- stopping, retracting, releasing ----------------------------------------------------
     def stop_reason(self, req: Req) -> FinishReason | None:

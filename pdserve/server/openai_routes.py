@@ -29,7 +29,8 @@ from pdserve.server.messages import TextUpdate
 from pdserve.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                      from_value_error, refuse_unsupported)
 from pdserve.server.reasoning import ReasoningParser, parser_for
-from pdserve.server.results import TokenTexts, chat_logprobs, completion_logprobs, openai_finish, usage
+from pdserve.server.results import (TokenTexts, chat_logprobs, completion_logprobs, echo_logprobs, joined_logprobs,
+                                    openai_finish, usage)
 from pdserve.server.tool_calls import ToolOutput, ToolPlan, finish_reason, tool_plan
 from pdserve.server.tokenizer_manager import Job, RequestState, ServerUnavailable, TokenizerManager
 
@@ -63,8 +64,6 @@ def check_completion_fields(req: CompletionRequest, served: Sequence[str]) -> No
         raise ApiError("best_of: only best_of == n is supported", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise ApiError("logprobs: must be in [0, 20]", "logprobs")
-    if req.echo and req.logprobs is not None:
-        raise ApiError("echo: echo with logprobs (prompt logprobs) is not supported", "echo")
 
 
 def check_chat_fields(req: ChatCompletionRequest, served: Sequence[str], template_args: frozenset[str],
@@ -175,8 +174,10 @@ def completion_requests(args: ServerArgs, builder: RequestBuilder, req: Completi
     params = [sampling_params(req, req.max_tokens if req.max_tokens is not None
                               else builder.context_len - len(p), COMPLETION_FIELDS) for p in prompts]
     rids = [req.rid] if isinstance(req.rid, str) else req.rid
+    # echo + logprobs: the echoed prompt's tokens come with their logprobs (vLLM, OpenAI).
     return builder.build(prompts, params, req.logprobs is not None, req.logprobs or 0, rids,
-                         bootstrap_of(args, req, params), COMPLETION_FIELDS), texts
+                         bootstrap_of(args, req, params), COMPLETION_FIELDS,
+                         logprob_start_len=0 if req.echo and req.logprobs is not None else -1), texts
 
 
 def chat_prompt(builder: RequestBuilder, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> str:
@@ -289,17 +290,20 @@ class CompletionChunks:
     """Choices of a streamed completion: the echo goes before a sample's first text, and
     logprob text offsets continue where the sample's previous chunk ended."""
 
-    def __init__(self, job: Job, echo: dict[str, str], texts: TokenTexts | None) -> None:
+    def __init__(self, job: Job, echo: dict[str, str], texts: TokenTexts | None, echo_logprobs: bool = False
+                 ) -> None:
         self.job = job
         self.echo = echo      # rid -> the text to put first ("" without echo)
         self.texts = texts    # None: logprobs not asked for
+        self.echo_logprobs = echo_logprobs  # the prompt's logprobs go with the echo
         self.text_pos: dict[tuple[str, int], int] = {}  # where a sample's next token starts
 
     def __call__(self, state: RequestState, update: TextUpdate) -> dict[str, Any] | None:
         s = state.samples[update.token.index]
         text = update.text_delta
         key = (state.rid, s.index)
-        if key not in self.text_pos:
+        first = key not in self.text_pos
+        if first:
             self.text_pos[key] = len(self.echo[state.rid])
             text = self.echo[state.rid] + text
         lp = None
@@ -307,6 +311,9 @@ class CompletionChunks:
             lp = completion_logprobs(self.texts, update.token.new_ids, update.token.new_logprobs,
                                      update.token.new_top_logprobs, self.text_pos[key])
             self.text_pos[key] += sum(len(t) for t in lp["tokens"])
+            if first and self.echo_logprobs:  # the sample's first update carries the prompt's
+                lp = joined_logprobs(echo_logprobs(self.texts, state.prompt_ids, update.token.input_logprobs,
+                                                   update.token.input_top_logprobs), lp)
         finish = openai_finish(update.token.finish)
         if not (text or finish or lp):
             return None
@@ -435,7 +442,7 @@ class OpenAIRoutes:
         echo = {st.rid: (t if req.echo else "") for st, t in zip(job.states, texts)}
         token_texts = self.texts if req.logprobs is not None else None
         if req.stream:
-            return self._stream(job, head, req, CompletionChunks(job, echo, token_texts))
+            return self._stream(job, head, req, CompletionChunks(job, echo, token_texts, req.echo))
         await self.manager.wait(job, client_gone(request))
         raise_server_abort(job)
         choices = []
@@ -443,6 +450,9 @@ class OpenAIRoutes:
             for s in st.samples:
                 lp = completion_logprobs(token_texts, s.output_ids, s.logprobs, s.top_logprobs,
                                          len(echo[st.rid])) if token_texts is not None else None
+                if lp is not None and req.echo:
+                    lp = joined_logprobs(echo_logprobs(token_texts, st.prompt_ids, s.input_logprobs,
+                                                       s.input_top_logprobs), lp)
                 choices.append({"index": job.flat_index(st, s.index), "text": echo[st.rid] + s.text,
                                 "logprobs": lp, "finish_reason": openai_finish(s.finish)})
         return JSONResponse({**head, "choices": choices, "usage": usage(job.states)})

@@ -106,7 +106,7 @@ class SGLangExtensions(_Strict):
 UNSUPPORTED = ("functions", "function_call", "logit_bias",
                "suffix", "audio", "modalities", "prediction", "web_search_options", "return_hidden_states",
                "lora_path", "reasoning_effort", "continue_final_message",
-               "background", "return_bytes", "return_entropy", "return_text_in_logprobs", "return_routed_experts",
+               "background", "return_bytes", "return_entropy", "return_routed_experts",
                "token_ids_logprob", "image_data")
 _OFF_VALUES: tuple[Any, ...] = (None, False, {}, [], "none", "auto", "text", {"type": "text"})
 
@@ -240,7 +240,8 @@ class GenerateRequest(_Strict):
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    logprob_start_len: Optional[int] = None   # -1 (or unset): output logprobs only; prompt logprobs refused
+    logprob_start_len: Optional[int] = None   # -1 (or unset): output logprobs only; >= 0: prompt logprobs too
+    return_text_in_logprobs: Optional[bool] = None  # true: logprob entries carry the token's text
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
     # Prefill/decode disaggregation (set by a PD router; per sample when lists)
@@ -254,7 +255,6 @@ class GenerateRequest(_Strict):
     # Would change the response: refused when set. SGLang's benchmark client sends
     # lora_path null and return_routed_experts false with every request.
     return_hidden_states: Optional[bool] = None
-    return_text_in_logprobs: Optional[bool] = None
     background: Optional[bool] = None
     return_bytes: Optional[bool] = None
     return_entropy: Optional[bool] = None
