@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import queue
+import subprocess
 import sys
 import threading
 from typing import Any, Iterator
@@ -21,6 +23,7 @@ from pdserve.router.app import create_app
 from pdserve.router.config import ConfigError, from_cli
 from pdserve.router.discovery import PodDiscovery, pod_is_ready, pod_url
 from pdserve.router.fake_worker import FakeWorker, ThreadedServer
+from tests.server.conftest import REPO_ROOT
 from tests.waiting import wait_until
 
 COMPLETION = {"prompt": "hello", "max_tokens": 3}
@@ -226,3 +229,16 @@ def test_default_stream_is_the_clients_watch(monkeypatch):
     d = PodDiscovery.from_config(cfg)
     assert d.list_pods.__func__ is client.CoreV1Api.list_namespaced_pod
     assert d.stream.watch_cls is watch.Watch and d.namespace == "ns"  # (never started: nothing contacted)
+
+
+@pytest.mark.parametrize("prelude, message", [
+    ("import sys; sys.modules['kubernetes'] = None", "needs the kubernetes Python client"),
+    ("", "no Kubernetes credentials"),  # not in a pod, no kubeconfig
+])
+def test_cli_refuses_discovery_it_cannot_run(tmp_path, prelude, message):
+    code = f"{prelude}\nfrom pdserve.router.__main__ import main\nmain(['--service-discovery', '--selector', 'app=x'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**env, "HOME": str(tmp_path)}, cwd=str(REPO_ROOT))
+    assert r.returncode == 2, r.stderr
+    assert "--service-discovery" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
