@@ -63,4 +63,4 @@ def test_dockerfile_default_command_is_a_server_command():
     assert ServerArgs.from_cli(argv).host == "0.0.0.0"
     # The image installs what the servers need: CPU torch first, then the project with Mooncake.
     assert "libibverbs1" in text and "mooncake-transfer-engine-non-cuda" in text
-    assert text.index("pip install --no-cache-dir \"torch==") < text.index("pip install --no-cache-dir . ")
+    assert text.index("pip install --no-cache-dir \"torch==") < text.index("pip install --no-cache-dir \".[k8s]\" ")
