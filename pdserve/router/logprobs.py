@@ -2,9 +2,10 @@
 the prompt), decode answers the request, so the router copies prefill's prompt
 logprobs into decode's answer when the client asked for them.
 
-Today's servers refuse prompt logprobs (`echo` with `logprobs`) with a 400, which the
-router passes through; this merge is what makes the feature work across the split as
-soon as the servers compute them. It only fills what decode left empty.
+A decode server answers the prompt's part empty: /generate's `input_token_logprobs` /
+`input_top_logprobs` as `[]` (what SGLang's router, which concatenates prefill's and
+decode's lists, expects), the echoed prompt's completions logprobs as nulls. This merge
+only fills what decode left empty.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def merge_prompt_logprobs(route: str, payload: Any, prefill: dict[int, dict[str,
             meta, pmeta = item.get("meta_info"), src.get("meta_info")
             if isinstance(meta, dict) and isinstance(pmeta, dict):
                 for key in GENERATE_PROMPT_KEYS:
-                    if meta.get(key) is None and pmeta.get(key) is not None:
+                    if not meta.get(key) and pmeta.get(key):
                         meta[key] = pmeta[key]
                 merged.add(idx)
         else:

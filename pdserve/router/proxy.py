@@ -601,7 +601,10 @@ class StreamSession:
             return data
         if self.pending_merge is None:
             self.pending_merge = set(self.prefill_results)
-        if not self.pending_merge:
+        # /generate events are cumulative (each repeats the sample's whole meta_info, its
+        # empty prompt logprobs too): every one is filled. A completions sample's prompt
+        # logprobs are in its first chunk only.
+        if not self.pending_merge and self.att.route != "/generate":
             return data
         if payload is None:
             try:

@@ -230,10 +230,10 @@ def test_worker_errors_pass_through(cluster):
     ref = cluster.colocated.client.post("/v1/completions", json=body)
     assert_openai_error(got, 400, ("tools",))
     assert got.json() == ref.json()  # the worker's verdict, unchanged
-    # Prompt logprobs (echo + logprobs): refused by the servers today, the 400 passes through.
-    with pytest.raises(openai.BadRequestError) as exc:
-        cluster.oai.completions.create(model=m, prompt="abc", max_tokens=2, echo=True, logprobs=1)
-    assert "echo" in str(exc.value)
+    # Prompt logprobs from beyond the prompt: both servers refuse it, the 400 passes through.
+    assert_openai_error(cluster.router.client.post("/generate", json={"text": "abc", "return_logprob": True,
+                                                                      "logprob_start_len": 1000}),
+                        400, ("logprob_start_len",))
     assert_openai_error(cluster.router.client.post("/v1/chat/completions", content=b'"just a string"'), 400,
                         ("body",))
     assert_openai_error(cluster.router.client.post("/v1/completions", json={"prompt": "x", "bootstrap_room": 1}),

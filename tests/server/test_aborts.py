@@ -1,6 +1,6 @@
 """Aborts a router relies on: a non-streaming request whose client disconnects is aborted
-(KV freed); batched completions take one rid per prompt; prompt logprobs are refused,
-not ignored. Aborts for rids not seen yet (kept only for the admin) are in
+(KV freed); batched completions take one rid per prompt; prompt logprobs outside the
+prompt are refused, not ignored. Aborts for rids not seen yet (kept only for the admin) are in
 tests/security/test_http_front.py."""
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ def test_batched_completions_take_one_rid_per_prompt(server, llama_dir):
     assert_openai_error(server.client.post("/v1/completions", json=dict(body, rid=["c-3"])), fields=("rid",))
 
 
-def test_prompt_logprobs_are_refused(server):
+def test_prompt_logprobs_outside_the_prompt_are_refused(server):
     body = {"text": "abc", "return_logprob": True, "sampling_params": dict(GREEDY, max_new_tokens=2)}
-    assert_openai_error(server.client.post("/generate", json=dict(body, logprob_start_len=0)),
-                        fields=("logprob_start_len",))
-    assert server.client.post("/generate", json=dict(body, logprob_start_len=-1)).status_code == 200
+    for start in (1000, -2):
+        assert_openai_error(server.client.post("/generate", json=dict(body, logprob_start_len=start)),
+                            fields=("logprob_start_len",))
+    for start in (-1, 0):
+        assert server.client.post("/generate", json=dict(body, logprob_start_len=start)).status_code == 200
