@@ -26,6 +26,15 @@ def test_merge_generate_fills_what_decode_left_empty():
     assert decode[1]["meta_info"]["input_token_logprobs"] == [[None, 7, None]]  # decode's own wins
 
 
+def test_merge_generate_fills_decode_empty_lists():
+    # A pdserve decode server answers the prompt's part as [] (SGLang's router concatenates
+    # prefill's list and decode's, so it must be a list): empty is filled like missing.
+    prefill = {"meta_info": {"input_token_logprobs": [[None, 1, None]], "input_top_logprobs": [None]}}
+    decode = {"meta_info": {"input_token_logprobs": [], "input_top_logprobs": []}}
+    assert merge_prompt_logprobs("/generate", decode, results_by_index("/generate", prefill)) == {0}
+    assert decode["meta_info"] == prefill["meta_info"]
+
+
 def test_merge_completions_echo_fills_prompt_positions():
     prefill = {"choices": [{"index": 0, "logprobs": {"tokens": ["a", "b", "c"],
                                                      "token_logprobs": [None, -0.1, -0.2],

@@ -114,3 +114,21 @@ def test_logprob_start_len_is_checked(make_engine, llama_dir):
     out = engine.generate(input_ids=ids, sampling_params=dict(GREEDY, max_new_tokens=1), return_logprob=True,
                           logprob_start_len=len(ids) - 1)
     assert len(out["meta_info"]["input_token_logprobs"]) == 1
+
+
+def test_speculative_server_gives_the_same_prompt_logprobs(hf_reference, make_engine, llama_dir, tmp_path):
+    # An EAGLE prefill also stores draft features for every position: the extra logits
+    # rows must not disturb it (output tokens equal the plain engine's too).
+    from pdserve.testing import build_random_draft
+
+    draft = build_random_draft(llama_dir, tmp_path / "eagle", "EAGLE")
+    plain = make_engine(llama_dir)
+    spec = make_engine(llama_dir, speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft),
+                       chunked_prefill_size=16)
+    params = dict(GREEDY, max_new_tokens=6)
+    want = plain.generate(input_ids=PROMPTS, sampling_params=params)
+    got = spec.generate(input_ids=PROMPTS, sampling_params=params, return_logprob=True, top_logprobs_num=TOP,
+                        logprob_start_len=2)
+    for g, w, ids, ref in zip(got, want, PROMPTS, hf_reference):
+        assert g["output_ids"] == w["output_ids"]
+        check(g, ids, 2, ref)
