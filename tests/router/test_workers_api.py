@@ -4,6 +4,7 @@ in-process router."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from urllib.parse import quote
 
@@ -352,3 +353,47 @@ def test_a_request_answered_draining_is_retried_and_the_worker_leaves_rotation()
         text = dep.client.get("/metrics").text
         errors = [line for line in text.splitlines() if line.startswith("pdserve_router:errors_total")]
         assert all(line.endswith(" 0.0") for line in errors), errors
+
+
+def test_replacing_every_worker_under_load_loses_no_request():
+    """A rolling update as the router sees it: 1P2D under a steady client load; each
+    decode is replaced (new one added, old one deleted, stopped once removed), then the
+    prefill. Every request succeeds, and a removed worker gets nothing more."""
+    def slow(w: FakeWorker) -> None:
+        w.faults.delay_s = 0.05  # requests are in flight when their worker is deleted
+    with contextlib.ExitStack() as stack, fake_deployment(1, 2, *FAST, configure=slow) as dep:
+        stop = threading.Event()
+        statuses: list[int] = []
+
+        def client_load() -> None:
+            with httpx.Client(base_url=dep.url, timeout=30) as c:
+                while not stop.is_set():
+                    statuses.append(c.post("/v1/completions", json=COMPLETION).status_code)
+        load = [threading.Thread(target=client_load) for _ in range(4)]
+        for t in load:
+            t.start()
+
+        def replace(old: FakeWorker, role: str) -> FakeWorker:
+            new, server = new_worker(role, delay_s=0.05)
+            stack.callback(server.stop)
+            before = len(statuses)
+            assert dep.client.post("/workers", json={"url": server.url, "role": role}).status_code == 201
+            old_url = dep.server_of(old).url
+            assert dep.client.delete(path_of(old_url)).status_code == 202
+            # Removed once its legs are done (each answered, so each recorded by the worker).
+            wait_until(lambda: dep.client.get(path_of(old_url)).status_code == 404)
+            seen = len(old.requests)
+            wait_until(lambda: len(statuses) > before + 8)  # the load goes on meanwhile...
+            assert len(old.requests) == seen  # ...and none of it reaches the removed worker
+            dep.server_of(old).stop()  # the pod goes away
+            return new
+        try:
+            for d in list(dep.decode):
+                replace(d, "decode")
+            replace(dep.prefill[0], "prefill")
+        finally:
+            stop.set()
+            for t in load:
+                t.join(30)
+        assert statuses and set(statuses) == {200}, sorted(set(statuses))
+        assert len(listed(dep)) == 3
