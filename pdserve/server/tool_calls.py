@@ -395,29 +395,63 @@ class NamedCall(ToolOutput):
 
 class RequiredCalls(ToolOutput):
     """`tool_choice: required`: the output is a JSON array of {"name", "parameters"}
-    (constrained); the calls are emitted once it is complete. An output that is not
-    such an array (cut at max_tokens) is content."""
+    (constrained); each item becomes a call as soon as it is complete. An output cut
+    short (max_tokens) keeps its complete calls; the cut item's text is content. Text
+    that is not such an array (never, under the grammar) is content."""
+
+    _OPEN, _ITEM, _SEP, _DONE, _TEXT = "open", "item", "sep", "done", "text"
 
     def __init__(self, names: frozenset[str]) -> None:
         super().__init__()
         self.names = names
         self.buffer = ""
+        self.state = self._OPEN
+        self.decoder = json.JSONDecoder()
 
     def feed(self, text: str) -> tuple[str, list[Delta]]:
         self.buffer += text
-        return "", []
+        calls: list[Delta] = []
+        while self.state != self._TEXT:
+            head = self.buffer.lstrip()
+            if not head:
+                break
+            if self.state == self._OPEN:
+                if head[0] != "[":
+                    self.state = self._TEXT
+                    break
+                self.buffer, self.state = head[1:], self._ITEM
+            elif self.state == self._ITEM:
+                if "}" not in head:
+                    break
+                try:
+                    obj, end = self.decoder.raw_decode(head)
+                except ValueError:
+                    break  # the item is still coming
+                call = _as_call(obj, self.names, ("parameters",))
+                if call is None:
+                    self._to_text()
+                    break
+                calls.append(self._call(*call))
+                self.buffer, self.state = head[end:], self._SEP
+            elif self.state == self._SEP and head[0] in ",]":
+                self.buffer, self.state = head[1:], self._ITEM if head[0] == "," else self._DONE
+            else:  # anything after the array, or between items, that does not belong there
+                self._to_text()
+        if self.state == self._TEXT:
+            content, self.buffer = self.buffer, ""
+            return content, calls
+        return "", calls
+
+    def _to_text(self) -> None:
+        if not self.calls:  # nothing was a call: the whole output is text, the "[" included
+            self.buffer = "[" + self.buffer
+        self.state = self._TEXT
 
     def flush(self) -> tuple[str, list[Delta]]:
-        text, self.buffer = self.buffer, ""
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text, []
-        found = [_as_call(item, self.names, ("parameters",)) for item in items] \
-            if isinstance(items, list) and items else [None]
-        if any(c is None for c in found):
-            return text, []
-        return "", [self._call(*c) for c in found if c is not None]
+        rest, self.buffer = self.buffer, ""
+        if not self.calls and self.state not in (self._OPEN, self._TEXT):  # no call at all: all text
+            rest = "[" + rest
+        return rest.strip(), []  # a cut item (or nothing but whitespace)
 
 
 TOOL_CALL_PARSERS: dict[str, type[_TextParser]] = {

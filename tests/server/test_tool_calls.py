@@ -177,8 +177,14 @@ def test_required_output_becomes_calls_and_anything_else_content():
     text = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "now", "parameters": {}}]'
     content, calls = RequiredCalls(NAMES).parse(text)
     assert content == "" and without_ids(calls) == [call("add", {"a": 1, "b": 2}), call("now", {})]
-    for cut in ('[{"name": "add", "parameters": {"a": 1', "[]", '[{"name": "x", "parameters": {}}]'):
-        assert RequiredCalls(NAMES).parse(cut) == (cut, [])
+    for pieces in ([text], list(text), [text[:20], text[20:52], text[52:]]):
+        content, deltas = stream(RequiredCalls(NAMES), pieces)
+        assert content == "" and without_ids(merge_deltas(deltas)) == without_ids(calls)
+    # cut at max_tokens: the complete calls, the cut item as content
+    content, calls = RequiredCalls(NAMES).parse('[{"name": "now", "parameters": {}}, {"name": "add", "param')
+    assert content == '{"name": "add", "param' and without_ids(calls) == [call("now", {})]
+    for text in ('[{"name": "x", "parameters": {}}]', "no json", '  [{"name": "add", "parameters": {"a": 1'):
+        assert RequiredCalls(NAMES).parse(text) == (text.strip(), [])
 
 
 def test_named_call_streams_its_arguments():
