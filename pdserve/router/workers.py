@@ -164,6 +164,8 @@ class WorkerRegistry:
             self.on_change(worker)
         # Checked from a task of its own, never here: a leg picked just before this call
         # (its task created, not yet run) counts itself in flight by the time it runs.
+        if worker._drain_task is not None:
+            worker._drain_task.cancel()  # of a removal called off: one drain at a time
         worker._drain_task = asyncio.get_running_loop().create_task(self._finish_removal(worker))
 
     async def _finish_removal(self, worker: Worker) -> None:

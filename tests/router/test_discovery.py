@@ -242,3 +242,31 @@ def test_cli_refuses_discovery_it_cannot_run(tmp_path, prelude, message):
                        env={**env, "HOME": str(tmp_path)}, cwd=str(REPO_ROOT))
     assert r.returncode == 2, r.stderr
     assert "--service-discovery" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_pod_ready_again_while_draining_stays():
+    """Readiness flapped: the drain it started is called off, its in-flight request and
+    its place in rotation kept."""
+    with loopback_servers("prefill", "decode") as (port, ((_, ip0), (d0, ip1))):
+        cluster = FakeCluster({PREFILL_SEL: [pod("p", ip0, component="prefill")], DECODE_SEL: [pod("d", ip1)]})
+        url = f"http://{ip1}:{port}"
+        d0.faults.gate = threading.Event()
+        with discovered_router(cluster, port) as (client, discovery):
+            wait_until(lambda: client.get("/health").status_code == 200)
+            answer: dict = {}
+
+            def held_request() -> None:
+                with httpx.Client(base_url=client.base_url, timeout=30) as c:
+                    answer["r"] = c.post("/v1/completions", json=COMPLETION)
+            t = threading.Thread(target=held_request)
+            t.start()
+            wait_until(lambda: workers(client)[url]["in_flight"] == 1)
+            cluster.push(DECODE_SEL, "MODIFIED", pod("d", ip1, ready=False))
+            wait_until(lambda: workers(client)[url]["state"] == "removing")
+            cluster.push(DECODE_SEL, "MODIFIED", pod("d", ip1))
+            wait_until(lambda: workers(client)[url]["state"] == "healthy")
+            d0.faults.gate.set()
+            t.join(30)
+            assert answer["r"].status_code == 200
+            assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+            assert len(d0.requests) == 2 and workers(client)[url]["in_rotation"]
