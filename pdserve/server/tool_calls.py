@@ -130,9 +130,9 @@ def tool_plan(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, paral
         raise ValueError(f"tool_choice: names the function {name!r}, which is not among the tools "
                          f"({', '.join(sorted(seen))})")
     if mode == "auto" and parser is None:
-        raise ValueError("tool_choice: 'auto' tool calling needs a server started with --tool-call-parser "
-                         f"({' | '.join(TOOL_CALL_PARSERS)}), which reads the calls out of the model's output; "
-                         "'required', a named function and 'none' work without it")
+        raise ValueError("tools: tool_choice 'auto' (the default with tools) needs a server started with "
+                         f"--tool-call-parser ({' | '.join(TOOL_CALL_PARSERS)}), which reads the calls out of the "
+                         "model's output; tool_choice 'required', a named function and 'none' work without it")
     return ToolPlan(tools, mode, name, parser if mode == "auto" else None, parallel_tool_calls is not False)
 
 

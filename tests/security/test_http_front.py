@@ -146,8 +146,8 @@ def test_client_chat_template_is_refused_by_default(guarded):
         err = assert_openai_error(guarded.post("/v1/chat/completions", body),
                                   fields=("chat_template_kwargs", "chat_template"))
         assert "chat_template" in err["message"], err
-    # Arguments of the template call are not template variables (tools is refused at the top
-    # level; it must not come in through the kwargs either).
+    # Arguments of the template call are not template variables (tools go at the top level,
+    # where they are checked; they must not come in through the kwargs).
     for key, value in (("tools", [{"type": "function"}]), ("add_generation_prompt", False),
                        ("continue_final_message", True), ("tokenize", True)):
         err = assert_openai_error(guarded.post("/v1/chat/completions", dict(CHAT, chat_template_kwargs={key: value})),

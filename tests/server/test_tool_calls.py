@@ -159,7 +159,7 @@ def test_auto_and_none_add_no_constraint():
 
 
 @pytest.mark.parametrize("tools, choice, parser, field", [
-    (TOOLS, "auto", None, "--tool-call-parser"),
+    (TOOLS, "auto", None, "tools: tool_choice 'auto'"),
     (TOOLS, None, None, "--tool-call-parser"),
     (TOOLS, {"type": "function", "function": {"name": "missing"}}, "qwen25", "missing"),
     (None, "required", "qwen25", "tools"),
