@@ -15,43 +15,10 @@ import jsonschema
 import pytest
 
 from pdserve.assets import path as asset_path
+from pdserve.bench.grammar import object_schema
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.grammar import GrammarBackend, check_constraint
 from pdserve.testing import build_random_model
-
-NAMES = ["id", "name", "kind", "size", "tags", "ok", "items", "x"]
-
-
-def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
-    """A bounded schema (every value has a length limit, so a complete output fits a
-    token budget): nested objects, arrays, enums, required fields, number ranges."""
-    kinds = ["enum", "integer", "string", "boolean", "number"] + (["object", "array"] * 2 if depth < 2 else [])
-    kind = rng.choice(kinds)
-    if kind == "object":
-        keys = rng.sample(NAMES, rng.randint(1, 3))
-        return {"type": "object", "properties": {k: random_schema(rng, depth + 1) for k in keys},
-                "required": [k for k in keys if rng.random() < 0.7], "additionalProperties": False}
-    if kind == "array":
-        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": rng.randint(0, 1),
-                "maxItems": rng.randint(1, 3)}
-    if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", 7, 42, "a b"], rng.randint(2, 4))}
-    if kind == "integer":
-        lo = rng.randint(-50, 50)
-        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
-    if kind == "number":
-        lo = rng.randint(-5, 5)
-        return {"type": "number", "minimum": lo, "maximum": lo + rng.randint(1, 10)}
-    if kind == "string":
-        return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(2, 6)}
-    return {"type": "boolean"}
-
-
-def object_schema(rng: random.Random) -> dict[str, Any]:
-    keys = rng.sample(NAMES, rng.randint(1, 3))
-    return {"type": "object", "properties": {k: random_schema(rng, 1) for k in keys}, "required": keys,
-            "additionalProperties": False}
-
 
 def assert_valid(out: dict[str, Any], schema: dict[str, Any]) -> None:
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out

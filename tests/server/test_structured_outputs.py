@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.assets import path as asset_path
 from tests.router.conftest import RouterProcess
-from tests.scheduler.test_grammar import object_schema
+from pdserve.bench.grammar import object_schema
 from tests.server.conftest import ServerProcess, assert_openai_error, free_port
 
 FLAGS = ("--max-total-tokens", "16384", "--log-level", "warning")
