@@ -8,7 +8,8 @@ interval + timeout of dying even when it hangs instead of refusing connections.
 
 A worker whose /health answers 503 with `{"status": "draining"}` (a server shutting
 down gracefully) is out of rotation too, but that is not a failure: no warning, no
-health-check failure counted; it comes back if it answers 200 again.
+health-check failure counted, nor when it then stops answering at all (a drained
+server exits); it comes back if it answers 200 again.
 
 The set of workers changes at run time (POST / DELETE /workers, Kubernetes discovery):
 `add` registers a worker (in rotation after its first successful probe), `remove`
@@ -241,6 +242,10 @@ class WorkerRegistry:
                 self._set(worker, True, None)
         elif draining:
             self.mark_draining(worker)
+        elif worker.server_draining:
+            # A drained server exits: its going away ends the drain, it is no failure. It
+            # stays out of rotation (state "draining") until it answers 200 again.
+            worker.last_error = f"after draining: {reason}"
         else:
             if self.on_probe_failure is not None and not worker.removed:
                 self.on_probe_failure(worker)

@@ -397,3 +397,24 @@ def test_replacing_every_worker_under_load_loses_no_request():
                 t.join(30)
         assert statuses and set(statuses) == {200}, sorted(set(statuses))
         assert len(listed(dep)) == 3
+
+
+def test_a_drained_worker_that_exits_is_no_failure_and_comes_back_when_restarted():
+    with fake_deployment(1, 2, *FAST) as dep:
+        d0 = dep.decode[0]
+        server = dep.server_of(d0)
+        d0.faults.draining = True
+        wait_until(lambda: listed(dep)[server.url]["state"] == "draining")
+        server.stop()  # its drain done, the server exits
+        wait_until(lambda: "after draining" in (listed(dep)[server.url]["last_error"] or ""))
+        assert listed(dep)[server.url]["state"] == "draining"
+        assert dep.metric("pdserve_router:health_check_failures_total", worker=server.url) == 0
+        d0.faults.draining = False
+        back = ThreadedServer(d0.app(), port=server.port).start()  # restarted on its address
+        try:
+            wait_until(lambda: listed(dep)[server.url]["state"] == "healthy")
+            for _ in range(2):
+                assert dep.client.post("/v1/completions", json=COMPLETION).status_code == 200
+            assert any(r == "/v1/completions" for r, _ in d0.requests)
+        finally:
+            back.stop()
