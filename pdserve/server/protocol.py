@@ -225,6 +225,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Tool]] = None  # messages only: rendered as a chat request's tools are
 
 
 class DetokenizeRequest(_Strict):

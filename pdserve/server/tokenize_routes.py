@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from pdserve.config import ServerArgs
 from pdserve.server.openai_routes import check_chat_template_kwargs, check_model, render_chat, template_call_args
+from pdserve.server.tool_calls import tool_plan
 from pdserve.server.protocol import ApiError, DetokenizeRequest, TokenizeRequest, from_value_error
 from pdserve.server.tokenizer_manager import TokenizerManager
 from pdserve.requests import check_text
@@ -25,6 +26,8 @@ def tokenize(args: ServerArgs, manager: TokenizerManager, req: TokenizeRequest,
     if req.prompt is not None:
         if req.chat_template_kwargs:
             raise ValueError("chat_template_kwargs: applies to messages only")
+        if req.tools:
+            raise ValueError("tools: apply to messages only")
         b.check_chars(len(req.prompt), "prompt")
         check_text(req.prompt, "prompt")
         text = req.prompt
@@ -33,7 +36,11 @@ def tokenize(args: ServerArgs, manager: TokenizerManager, req: TokenizeRequest,
         if not req.messages:
             raise ValueError("messages: must not be empty")
         check_chat_template_kwargs(req.chat_template_kwargs or {}, template_args, args.allow_client_chat_template)
-        text = render_chat(b, req.messages, req.chat_template_kwargs, req.add_generation_prompt)
+        # The tools as a chat request renders them (checked the same way: duplicate names...).
+        plan = tool_plan([t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                         "none", None, None)
+        text = render_chat(b, req.messages, req.chat_template_kwargs, req.add_generation_prompt,
+                           tools=plan.tools if plan is not None else None)
         special = bool(req.add_special_tokens)  # the template writes its own special tokens
     return list(b.tokenizer(text, add_special_tokens=special)["input_ids"])
 

@@ -182,6 +182,16 @@ def test_streamed_deltas_add_up_to_the_answer(tool_server, choice):
         assert got_calls and finish in ("tool_calls", "length")
 
 
+def test_tokenize_renders_tools_as_chat_does(tool_server):
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    r = tool_server.client.post("/tokenize", json={"messages": messages, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == chat(tool_server, max_tokens=1).json()["usage"]["prompt_tokens"]
+    assert_openai_error(tool_server.client.post("/tokenize", json={"prompt": "x", "tools": TOOLS}), 400, ("tools",))
+    assert_openai_error(tool_server.client.post("/tokenize", json={"messages": messages, "tools": [ADD, ADD]}),
+                        400, ("tools[1].function.name",))
+
+
 # ---- history ---------------------------------------------------------------------------------
 def test_history_with_a_tool_result_renders_and_continues(tool_server):
     call = {"id": "call_abc", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
