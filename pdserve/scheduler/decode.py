@@ -60,6 +60,10 @@ class DecodeScheduler(Scheduler):
         samples = split_samples(self, req)
         if not samples:
             return
+        for s in samples:
+            # Prompt logprobs are the prefill server's (the router merges them); a request
+            # retracted here and recomputed must not compute them again.
+            s.logprob_start_len = -1
         if any(s.bootstrap_room is None or s.bootstrap_host is None for s in samples):
             raise ValueError("bootstrap_room: a decode server needs bootstrap_host / bootstrap_port / "
                              "bootstrap_room for every sample")
