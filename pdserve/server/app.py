@@ -86,8 +86,10 @@ async def unavailable(_: Request, exc: ServerUnavailable) -> JSONResponse:
 async def refused(_: Request, exc: Refused) -> JSONResponse:
     """Draining, or the queue is full (pdserve/server/drain.py): the client may retry, here
     after Retry-After seconds or at once on another server (nothing was generated)."""
-    return JSONResponse(error_body(exc.message, "server_error", None, 503), status_code=503,
-                        headers={"Retry-After": str(exc.retry_after)})
+    body = error_body(exc.message, "server_error", None, 503)
+    if exc.status is not None:
+        body = {"status": exc.status, **body}
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(exc.retry_after)})
 
 
 async def client_gone(_: Request, exc: ClientGone) -> Response:

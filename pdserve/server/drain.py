@@ -44,10 +44,13 @@ DRAIN_POLL_S = 0.05
 class Refused(Exception):
     """A request refused before it was submitted: HTTP 503 with Retry-After (app.py)."""
 
-    def __init__(self, message: str, retry_after: int = RETRY_AFTER_S) -> None:
+    def __init__(self, message: str, retry_after: int = RETRY_AFTER_S, status: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+        # "draining": the body says so as /health does, for a router to tell a drain
+        # (out of rotation) from a full queue (try another worker).
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class Drain:
         """Raise Refused while draining (called before a request is submitted)."""
         if self.draining:
             raise Refused("server is draining (shutting down): it accepts no new requests; "
-                          "send this one to another server")
+                          "send this one to another server", status="draining")
 
     def start(self, cause: str) -> bool:
         """Begin draining (on the event loop). False if a drain is already under way."""

@@ -64,6 +64,9 @@ def assert_refused(r: httpx.Response, what: str) -> None:
     err = assert_openai_error(r, 503)
     assert what in err["message"], err
     assert int(r.headers["retry-after"]) >= 1, r.headers
+    # A drain's refusal says "draining" as /health does (a router takes the server out of
+    # rotation); a full queue's does not (the router tries another worker).
+    assert (r.json().get("status") == "draining") == (what == "draining"), r.json()
 
 
 def wait_exit(server: ServerProcess, children: set[int]) -> None:
