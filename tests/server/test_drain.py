@@ -16,7 +16,7 @@ in flight, the process's exit), never on a sleep.
 from __future__ import annotations
 
 import concurrent.futures
-import json
+import dataclasses
 import signal
 import threading
 from typing import Any
@@ -231,4 +231,5 @@ def test_queue_limit_counts_samples_beyond_the_running_slots():
         limit.check(in_flight=3, new=4)  # n=4 samples: 3 would wait
     limit.check(in_flight=0, new=50)     # an idle server takes any one request
     QueueLimit(max_queued=None, max_running=1).check(in_flight=10_000, new=1)
-    json.dumps(QueueLimit(0, 1).__dict__)  # a plain frozen record
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        limit.max_queued = 3  # type: ignore[misc]
