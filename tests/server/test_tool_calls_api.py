@@ -8,6 +8,7 @@ valid call of a declared tool whose arguments validate (`jsonschema`), for sampl
 `n = 3` answers too; streamed deltas add up to the non-streamed answer; malformed
 `tools` / `tool_choice` / history are 400s naming the field. A server without
 `--tool-call-parser` refuses `auto` and still serves `required`, named and `none`.
+Through a 1P1D router (EAGLE on decode) the answers and streams equal the colocated ones.
 The parsers' own cases are in test_tool_calls.py."""
 
 from __future__ import annotations
@@ -250,6 +251,46 @@ def test_server_without_parser_refuses_auto_only(start_server, template_file):
         assert_valid_calls(r.json()["choices"][0], only="add")
     finally:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def pd_router(start_server, template_file):
+    """A 1P1D deployment (the decode server with EAGLE) behind the router, tool flags on both."""
+    from tests.router.conftest import RouterProcess
+    from tests.server.conftest import free_port
+
+    boot = free_port()
+    flags = ("--max-total-tokens", str(MAX_TOTAL_TOKENS), "--tool-call-parser", "qwen25",
+             "--chat-template", str(template_file))
+    prefill = start_server(assets.path("demo"), *flags, "--disaggregation-mode", "prefill",
+                           "--disaggregation-bootstrap-port", str(boot))
+    decode = start_server(assets.path("demo"), *flags, "--disaggregation-mode", "decode",
+                          "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path",
+                          str(assets.path("demo-eagle")))
+    router = RouterProcess("--pd-disaggregation", "--prefill", prefill.url, str(boot), "--decode", decode.url)
+    yield router
+    router.close()
+    decode.close()
+    prefill.close()
+
+
+@pytest.mark.parametrize("body", [{"tool_choice": "auto"}, {"tool_choice": "required"},
+                                  {"tool_choice": named("get_weather")}],
+                         ids=["auto", "required", "named"])
+def test_through_the_pd_router_as_colocated(tool_server, pd_router, body):
+    """Greedy: the router's 1P1D answer (and its stream) equals the colocated server's."""
+    content = "Repeat: abc123xyz" if body["tool_choice"] == "auto" else PROMPTS[2]
+    ref = chat(tool_server, content, **body).json()["choices"][0]
+    got = chat(pd_router, content, **body)
+    assert got.status_code == 200, got.text
+    got = got.json()["choices"][0]
+    strip = lambda m: {**m, "tool_calls": [c["function"] for c in m.get("tool_calls", [])]}  # noqa: E731
+    assert strip(got["message"]) == strip(ref["message"]) and got["finish_reason"] == ref["finish_reason"]
+    s_content, s_calls, s_finish = merge(streamed(pd_router, content, **body))
+    assert (s_content, s_calls, s_finish) == (ref["message"]["content"] or "", strip(ref["message"])["tool_calls"],
+                                              ref["finish_reason"])
+    if body["tool_choice"] != "auto":
+        assert_valid_calls(got, may_be_cut=True)
 
 
 def test_router_forwards_tool_fields_unchanged():
