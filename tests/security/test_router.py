@@ -274,8 +274,13 @@ def test_with_an_admin_key_only_the_admin_aborts_or_flushes(keyed):
         assert ("/flush_cache", f"Bearer {ADMIN}") in w.auth
         assert {a for p, a in w.auth if p == "/generate"} == {f"Bearer {USER}"}
         assert all(a != f"Bearer {USER}" for p, a in w.auth if p in ("/abort_request", "/flush_cache"))
-    # The router has no worker-management routes to protect (workers are fixed at start).
-    for path in ("/add_worker", "/remove_worker", "/list_workers", "/workers"):
+    # Worker management (/workers) is an admin route: the API key is not enough.
+    assert_openai_error(dep.client.post("/workers", json={"url": "http://127.0.0.1:1", "role": "decode"},
+                                        headers=bearer(USER)), 401)
+    assert_openai_error(dep.client.get("/workers", headers=bearer(USER)), 401)
+    assert_openai_error(dep.client.delete("/workers/http%3A%2F%2F127.0.0.1%3A1", headers=bearer(USER)), 401)
+    assert len(dep.client.get("/workers", headers=bearer(ADMIN)).json()["workers"]) == 2
+    for path in ("/add_worker", "/remove_worker", "/list_workers"):  # SGLang's names: not routes here
         assert dep.client.post(path, headers=bearer(USER)).status_code in (404, 405)
     dep.assert_healthy_and_serving(bearer(USER))
 
