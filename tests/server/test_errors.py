@@ -127,7 +127,9 @@ CHAT_CASES = [
     ("tool_choice naming no tool", chat(tool_choice={"type": "function", "function": {"name": "f"}}),
      ("tool_choice",)),
     ("functions", chat(functions=[{"name": "f", "parameters": {}}]), ("functions",)),
-    ("response_format", chat(response_format={"type": "json_object"}), ("response_format",)),
+    ("response_format type", chat(response_format={"type": "xml"}), ("response_format.type",)),
+    ("response_format schema", chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     ("response_format.json_schema",)),
     ("logit_bias", chat(logit_bias={"5": 10}), ("logit_bias",)),
 ]
 
