@@ -76,9 +76,9 @@ class RouterConfig:
     max_request_samples: int = 65536
     # A client must deliver a request's headers and body within this many seconds.
     request_read_timeout: float = 10.0
-    # cache_aware: route to the worker whose cached prefix covers more than this share
-    # of the request, unless it has more than balance_abs_threshold requests in flight
-    # above the least loaded worker.
+    # cache_aware (prefill, decode or plain; one prefix tree per role's policy): route to the
+    # worker whose cached prefix covers more than this share of the request, unless it has
+    # more than balance_abs_threshold requests in flight above the least loaded worker.
     cache_threshold: float = 0.5
     balance_abs_threshold: int = 32
     max_tree_size: int = 1 << 22             # elements (chars or token ids) kept per tree
@@ -134,10 +134,6 @@ class RouterConfig:
             if getattr(self, name) not in POLICIES:
                 raise ConfigError(f"--{name.replace('_', '-')}: {getattr(self, name)!r} is not one of "
                                   f"{', '.join(POLICIES)}")
-        if self.decode_policy == "cache_aware":
-            # Decode's KV comes from prefill: prefix affinity means nothing there.
-            raise ConfigError("--decode-policy: cache_aware only applies to prefill (decode has no prefix cache "
-                              "to aim at); use round_robin, random or power_of_two")
         positive = ("health_check_interval", "health_check_timeout", "request_timeout", "connect_timeout",
                     "request_read_timeout")
         for name in positive:
@@ -234,9 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--policy", default=None, choices=POLICIES,
-                    help="plain mode's policy, and the default of the two below (round_robin)")
-    ap.add_argument("--prefill-policy", default=None, choices=POLICIES)
-    ap.add_argument("--decode-policy", default=None, choices=POLICIES)
+                    help="load balancing policy (round_robin); in PD mode the policy of both prefill and decode "
+                         "unless --prefill-policy / --decode-policy override it")
+    ap.add_argument("--prefill-policy", default=None, choices=POLICIES,
+                    help="PD mode: the policy for prefill servers (default: --policy)")
+    ap.add_argument("--decode-policy", default=None, choices=POLICIES,
+                    help="PD mode: the policy for decode servers (default: --policy); cache_aware sends a "
+                         "conversation back to the decode server whose prefix cache holds its earlier turns")
     ap.add_argument("--health-check-interval", type=float, default=1.0, metavar="S")
     ap.add_argument("--health-check-timeout", type=float, default=1.0, metavar="S")
     ap.add_argument("--retries", type=int, default=1,
@@ -290,8 +290,8 @@ def from_cli(argv: Sequence[str] | None = None) -> RouterConfig:
         decode=tuple(WorkerSpec(normalise_url(u, "--decode"), "decode") for u in ns.decode),
         workers=tuple(WorkerSpec(normalise_url(u, "--worker-urls"), "plain") for u in ns.worker_urls),
         pd_disaggregation=ns.pd_disaggregation, host=ns.host, port=ns.port,
-        prefill_policy=ns.prefill_policy or policy, decode_policy=ns.decode_policy or
-        (policy if policy != "cache_aware" else "round_robin"), policy=policy,
+        # As SGLang's router: --policy is both roles' policy unless a role's own flag overrides it.
+        prefill_policy=ns.prefill_policy or policy, decode_policy=ns.decode_policy or policy, policy=policy,
         health_check_interval=ns.health_check_interval, health_check_timeout=ns.health_check_timeout,
         retries=ns.retries, request_timeout=ns.request_timeout, connect_timeout=ns.connect_timeout,
         api_key=ns.api_key, admin_api_key=ns.admin_api_key, max_n=ns.max_n,

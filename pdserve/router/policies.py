@@ -76,11 +76,17 @@ class PowerOfTwo:
 
 
 class CacheAware:
-    """Prefix affinity for prefill: send a request to the worker that has seen the
-    longest prefix of it (its radix cache likely still holds that KV) when that prefix
-    covers more than `threshold` of the request; otherwise to the least loaded worker.
-    Load guard: affinity never sends a request to a worker with more than
-    `balance_abs_threshold` requests in flight above the least loaded one."""
+    """Prefix affinity: send a request to the worker that has seen the longest prefix of
+    it (its radix cache likely still holds that KV) when that prefix covers more than
+    `threshold` of the request; otherwise to the least loaded worker. Load guard:
+    affinity never sends a request to a worker with more than `balance_abs_threshold`
+    requests in flight above the least loaded one.
+
+    Each instance owns its tree, so a PD router's prefill and decode policies choose
+    independently. On prefill it aims at the prompt KV prefill computed before; on
+    decode at the KV a decode server keeps of finished requests (prompt and output), so
+    a conversation's next turn, whose prompt extends the last one's, goes back to the
+    decode server that holds it and is sent only the pages it lacks."""
     name = "cache_aware"
 
     def __init__(self, threshold: float = 0.5, balance_abs_threshold: int = 32,

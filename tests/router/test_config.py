@@ -31,6 +31,41 @@ def test_policy_defaults_follow_policy_flag():
     assert not plain.pd_disaggregation and [w.role for w in plain.workers] == ["plain", "plain"]
 
 
+PD = ["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--decode", "http://h:3"]
+
+
+@pytest.mark.parametrize("flags, prefill, decode", [
+    # As SGLang's router: --policy is both roles' policy; a role's own flag overrides it.
+    ([], "round_robin", "round_robin"),
+    (["--policy", "cache_aware"], "cache_aware", "cache_aware"),
+    (["--decode-policy", "cache_aware"], "round_robin", "cache_aware"),
+    (["--policy", "cache_aware", "--decode-policy", "power_of_two"], "cache_aware", "power_of_two"),
+    (["--policy", "random", "--prefill-policy", "cache_aware", "--decode-policy", "cache_aware"],
+     "cache_aware", "cache_aware"),
+])
+def test_decode_policy_may_be_cache_aware(flags, prefill, decode):
+    cfg = from_cli([*PD, *flags])
+    assert (cfg.prefill_policy, cfg.decode_policy) == (prefill, decode)
+
+
+def test_cache_aware_on_both_roles_builds_two_trees():
+    from pdserve.router.app import create_app
+    app = create_app(from_cli([*PD, "--policy", "cache_aware", "--cache-threshold", "0.4",
+                               "--balance-abs-threshold", "7"]))
+    proxy = app.state.router.proxy
+    pre, dec = proxy.prefill_policy, proxy.decode_policy
+    assert (pre.name, dec.name) == ("cache_aware", "cache_aware")
+    assert pre.tree is not dec.tree
+    assert (dec.threshold, dec.balance_abs_threshold) == (0.4, 7)
+
+
+def test_cli_refuses_an_unknown_decode_policy():
+    r = subprocess.run([sys.executable, "-m", "pdserve.router", *PD, "--decode-policy", "sticky"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--decode-policy" in r.stderr and "sticky" in r.stderr and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--prefill", "http://h:1", "--decode", "http://h:2"], "--pd-disaggregation"),
     (["--pd-disaggregation", "--decode", "http://h:2"], "--prefill"),
@@ -44,7 +79,10 @@ def test_policy_defaults_follow_policy_flag():
     (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--prefill-policy", "best"],
      "--prefill-policy"),
     (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--decode-policy",
-      "cache_aware"], "--decode-policy"),
+      "cache-aware"], "--decode-policy"),
+    (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--policy", "least_load"],
+     "--policy"),
+    (["--worker-urls", "http://h:1", "--policy", "prefix"], "--policy"),
     (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--retries", "-1"], "--retries"),
     (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--health-check-interval",
       "0"], "--health-check-interval"),
