@@ -73,6 +73,9 @@ class ServerArgs:
     # accepted for SGLang command lines and changes nothing.
     disable_overlap_schedule: bool = False
     disable_radix_cache: bool = False
+    # A decode server serves the prompt prefix it still caches (an earlier turn's prompt +
+    # answer) from its own pool and asks prefill only for the rest; this turns that off.
+    disable_decode_prefix_reuse: bool = False
     # torch_native decode keeps running requests' KV contiguous (pdserve/model/decode_mirror.py).
     disable_decode_kv_mirror: bool = False
     schedule_policy: str = "fcfs"

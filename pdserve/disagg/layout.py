@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 from pdserve.disagg.transfer import WriteBatch, coalesce
 
-PROTOCOL_VERSION = 2  # 2: WritesDone acknowledges a failed room's writes
+PROTOCOL_VERSION = 3  # 2: WritesDone acknowledges a failed room's writes; 3: TransferRequest.first_position
 
 
 class HandshakeError(ValueError):

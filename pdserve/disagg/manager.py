@@ -489,14 +489,21 @@ class PrefillTransferManager(_Side):
             if state is RoomState.FAILED:
                 return
             for peer, request in self._destinations(room):
-                dst = request.dst_slots[first: first + len(src_slots)]
-                if len(dst) != len(src_slots):
+                # Positions before first_position are in decode's cache already.
+                skip = max(0, request.first_position - first)
+                src = src_slots[skip:]
+                if not src:
+                    continue
+                start = first + skip - request.first_position
+                dst = request.dst_slots[start: start + len(src)]
+                if len(dst) != len(src):
                     raise TransferError(f"positions {first}..{first + len(src_slots)} exceed the "
-                                        f"{len(request.dst_slots)} slots decode reserved")
+                                        f"{request.first_position} + {len(request.dst_slots)} positions decode "
+                                        "holds and reserved")
                 t0 = time.perf_counter()
-                batch = peer.plan.writes(src_slots, dst)
+                batch = peer.plan.writes(src, dst)
                 if request.want_features and peer.feature_plan is not None:
-                    extra = peer.feature_plan.writes(src_slots, dst)
+                    extra = peer.feature_plan.writes(src, dst)
                     batch = type(batch)(batch.src + extra.src, batch.dst + extra.dst,
                                         batch.lengths + extra.lengths)
                 if not batch.src:
@@ -665,15 +672,16 @@ class DecodeTransferManager(_Side):
         return peers
 
     def add_room(self, room: int, peers: Sequence[_PrefillPeer], dst_slots: Sequence[int],
-                 want_features: bool = False) -> None:
-        """Reserve ``room``: tell every prefill rank where its KV goes."""
+                 want_features: bool = False, first_position: int = 0) -> None:
+        """Reserve ``room``: tell every prefill rank where the KV of prompt positions
+        ``first_position`` on goes (decode holds the ones before)."""
         self.rooms.open(room)
         with self._lock:
             self._rooms[room] = _DecodeRoom(senders={p.control_addr for p in peers})
         # Waiting before the first send: prefill may answer (its prompt already done)
         # before this thread runs again, and its record moves the room on.
         self.rooms.advance(room, RoomState.WAITING_FOR_INPUT)
-        req = P.TransferRequest(room, self.decode_id, tuple(dst_slots), want_features)
+        req = P.TransferRequest(room, self.decode_id, first_position, tuple(dst_slots), want_features)
         for p in peers:
             self._link.send(p.control_addr, req)
 

@@ -132,8 +132,11 @@ class TransferRequest:
     """Decode -> prefill per request: where the KV of room ``room`` goes."""
     room: int
     decode_id: str
-    dst_slots: tuple[int, ...]       # one per prompt position (prefill sends every position)
-    want_features: bool = False      # decode drafts: send the target features of every position too
+    # Decode already holds the KV of prompt positions [0, first_position) (its prefix
+    # cache; page aligned): prefill writes the positions from there on, one slot each.
+    first_position: int
+    dst_slots: tuple[int, ...]       # one per prompt position from first_position on
+    want_features: bool = False      # decode drafts: send the target features of those positions too
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from pdserve.scheduler.batch import Draws, StepOutput
 from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
                                        kv_layout, register_buffers, split_samples)
 from pdserve.scheduler.kv_manager import pages_for
+from pdserve.scheduler.radix_cache import PrefixMatch
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler, _too_big
 
@@ -53,6 +54,13 @@ class DecodeScheduler(Scheduler):
         self.fetch_ranks = fetch_ranks
         self.handoffs = HandoffTable(tp)
         self._hold_decode = False  # this step committed first tokens: publish them before decoding
+        # What one transferred prompt position brings to this rank: its KV (and draft feature).
+        self.bytes_per_position = self.kv.kv_pool.bytes_per_token(
+            runner.config.num_layers, runner.num_local_kv_heads, runner.config.head_dim, runner.kv_dtype)
+        if self.spec is not None:
+            self.bytes_per_position += self.spec.features.shape[1] * self.spec.features.element_size()
+        self.transfer_bytes = 0       # KV bytes this rank received in committed transfers
+        self.prefix_hit_tokens = 0    # prompt tokens served from this server's own prefix cache
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -170,22 +178,39 @@ class DecodeScheduler(Scheduler):
         if ready is Readiness.WAITING:
             return 0  # still connecting; the requests behind it may go first
         n = len(req.prompt_ids)
-        need, growth = pages_for(n, self.page_size), self.growth_reserve([req])
+        prefix = self._cached_prefix(req)
+        held = prefix.slots.numel() if prefix is not None else 0
+        need, growth = pages_for(n, self.page_size) - held // self.page_size, self.growth_reserve([req])
         if self.kv.free_rows < 1 or need + growth > self.kv.available_pages - reserve:
+            if prefix is not None:
+                self.kv.unlock(prefix)
             if not self.running and not transferring and need > self.kv.capacity:
                 self.handoffs.remove(h)
                 out.finished += self.finish(req, _too_big(need, self.kv.capacity))
                 return 0
             return None  # queue, do not fail: pages come back as requests finish
         # The slots are the request's from now on (released on any outcome); their KV
-        # becomes valid when the record arrives.
-        slots = self.kv.reserve(req, n)
+        # becomes valid when the record arrives. The cached prefix stays locked by the
+        # request (no eviction between this handshake and the commit).
+        slots = self.kv.reserve(req, n, prefix)
+        h.first_position = held
         peers = self.manager.connection(h.peer_url)[1]
         assert isinstance(peers, list)  # every rank reported the connection up
         h.phase = Phase.TRANSFERRING  # (before asking: a failure while asking quarantines the pages)
         transferring.append(req)
-        self.manager.add_room(h.room, peers, slots, want_features=self.spec is not None)
+        self.manager.add_room(h.room, peers, slots, want_features=self.spec is not None, first_position=held)
         return growth
+
+    def _cached_prefix(self, req: Req) -> PrefixMatch | None:
+        """The longest prefix of ``req``'s prompt this server still caches (an earlier
+        turn's prompt and answer), locked; None when nothing (or reuse is off)."""
+        if self.args.disable_decode_prefix_reuse:
+            return None
+        match = self.kv.match(req.prompt_ids)
+        if match.slots.numel() == 0:
+            self.kv.unlock(match)
+            return None
+        return match
 
     def _commit(self, h: Handoff, out: StepOutput) -> None:
         """The record arrived: the request has its whole prompt KV and first token."""
@@ -195,6 +220,8 @@ class DecodeScheduler(Scheduler):
         self.manager.release(h.room)
         req = h.req
         req.cached_tokens = record.cached_tokens
+        self.prefix_hit_tokens += h.first_position
+        self.transfer_bytes += (len(req.prompt_ids) - h.first_position) * self.bytes_per_position
         tops = record.top_logprobs
         Draws([record.first_token], [record.logprob] if record.logprob is not None else None,
               [[lp for lp, _ in tops]] if tops else None, [[t for _, t in tops]] if tops else None).append_to(req, 0)
@@ -223,7 +250,7 @@ class DecodeScheduler(Scheduler):
     def _quarantine(self, h: Handoff, reason: str, server_error: bool = True) -> list[Req]:
         """End a request whose transfer failed; keep its pages out of use until no
         write of prefill's can still land there (or the transfer deadline passed)."""
-        h.held_pages = self.kv.hold(h.req)
+        h.held_pages = self.kv.hold(h.req, h.first_position)
         h.release_at = time.monotonic() + self.args.disaggregation_transfer_timeout
         h.phase = Phase.QUARANTINED
         return self.finish(h.req, FinishReason(FinishKind.ABORT, message=reason, server_error=server_error))
@@ -232,7 +259,8 @@ class DecodeScheduler(Scheduler):
     def state(self) -> dict[str, object]:
         queued, transferring = self.handoffs.count(Phase.QUEUED), self.handoffs.count(Phase.TRANSFERRING)
         return add_pd_state(super().state(), "decode", queued, transferring, self.manager, queued=queued,
-                            transferring=transferring, quarantined=self.handoffs.count(Phase.QUARANTINED))
+                            transferring=transferring, quarantined=self.handoffs.count(Phase.QUARANTINED),
+                            transfer_bytes=self.transfer_bytes, prefix_hit_tokens=self.prefix_hit_tokens)
 
     def close(self) -> None:
         self.manager.close()

@@ -55,6 +55,7 @@ class Handoff:
     phase: Phase
     peer_url: str = ""                    # decode: the prefill server's bootstrap address
     sent: int = 0                         # prefill: prompt positions queued for transfer
+    first_position: int = 0               # decode: prompt positions served from its own prefix cache
     held_pages: torch.Tensor | None = None  # decode, quarantined: pages kept out of use
     release_at: float = 0.0               # decode, quarantined: freed then at the latest
 

@@ -156,13 +156,17 @@ class KVManager:
             page = new_pages[page_idx]
         self.req_table.table[req.row, start:end] = page * ps + pos % ps
 
-    def reserve(self, req: Req, length: int) -> list[int]:
-        """A row and slots for positions [0, length) of a request whose KV will be
-        written from outside (a transfer); returns the slots."""
-        req.row = self.req_table.alloc()
-        self.assign(req, 0, length)
+    def reserve(self, req: Req, length: int, prefix: PrefixMatch | None = None) -> list[int]:
+        """A row, the cached ``prefix`` (locked by ``match``; none: nothing cached) and
+        slots for the positions after it up to ``length``, of a request whose KV there
+        will be written from outside (a transfer); returns those slots."""
+        if prefix is not None:
+            start = self.attach(req, prefix)
+        else:
+            req.row, start = self.req_table.alloc(), 0
+        self.assign(req, start, length)
         req.kv_len = length
-        return self.slots(req, 0, length)
+        return self.slots(req, start, length)
 
     def slots(self, req: Req, start: int, end: int) -> list[int]:
         assert req.row is not None
@@ -259,11 +263,12 @@ class KVManager:
         req.row = None
         req.kv_len = 0
 
-    def hold(self, req: Req) -> torch.Tensor:
-        """One more reference on ``req``'s pages (released later with ``drop``): what a
-        failed transfer keeps out of use while a late write may still land there."""
+    def hold(self, req: Req, start: int = 0) -> torch.Tensor:
+        """One more reference on ``req``'s pages from position ``start`` (page aligned)
+        on, released later with ``drop``: what a failed transfer keeps out of use while a
+        late write may still land there (a cached prefix before ``start`` is never written)."""
         ps = self.page_size
-        pages = self.req_table.table[req.row, : req.kv_len: ps].cpu() // ps
+        pages = self.req_table.table[req.row, start: req.kv_len: ps].cpu() // ps
         self.allocator.retain(pages)
         return pages
 

@@ -22,8 +22,12 @@ class ServerMetrics:
             "Speculative decoding: tokens emitted per verify round (accepted drafts + 1); 0 when off", registry=r)
         self.pd_queue = Gauge("pdserve:disagg_queue_reqs", "Prefill/decode requests per transfer state",
                               ["state"], registry=r)
-        self.pd_transfer_bytes = Gauge("pdserve:kv_transfer_bytes", "KV bytes this prefill server has sent",
-                                       registry=r)
+        self.pd_transfer_bytes = Gauge("pdserve:kv_transfer_bytes_total",
+                                       "KV bytes written (prefill server) or received in committed transfers "
+                                       "(decode server, its TP rank 0)", registry=r)
+        self.pd_prefix_hits = Gauge("pdserve:decode_prefix_hit_tokens_total",
+                                    "Decode server: prompt tokens served from its own prefix cache instead of "
+                                    "transferred", registry=r)
         self.pd_transfer_seconds = Gauge("pdserve:kv_transfer_seconds", "Time spent in KV writes", registry=r)
         self.pd_failures = Gauge("pdserve:disagg_failures", "Failed transfer rooms by reason", ["reason"],
                                  registry=r)
@@ -56,6 +60,8 @@ class ServerMetrics:
             for reason, n in pd["failures"].items():
                 self.pd_failures.labels(reason).set(n)
             self.pd_transfer_bytes.set(pd.get("transfer_bytes", 0))
+            if "prefix_hit_tokens" in pd:
+                self.pd_prefix_hits.set(pd["prefix_hit_tokens"])
             self.pd_refused.set(pd.get("refused_messages", 0))
             self.pd_transfer_seconds.set(pd.get("transfer_seconds", 0.0))
 
