@@ -8,7 +8,7 @@ caller's API spells it (`ApiFields`): `max_tokens` on the OpenAI routes,
 Where each kind of check happens (HTTP server; the Engine enters at 3):
 1. `server/protocol.py`: the JSON shape, types and unknown fields (pydantic), and
    fields that would change results but are not implemented (`refuse_unsupported`).
-2. The route (`server/openai_routes.py`, `server/native_routes.py`): rules of one API
+2. The route (`server/openai_requests.py`, `server/native_routes.py`): rules of one API
    (model name, logprobs ranges, echo, prompt logprobs, the chat template) and the
    OpenAI token budget in its own names (`check_new_tokens`).
 3. Here: prompts, sampling parameters (`SamplingParams` checks its own ranges; a

@@ -86,7 +86,7 @@ class SGLangExtensions(_Strict):
     # Changes the prompt, so results: variables of the chat template (e.g. enable_thinking).
     # Its key "chat_template" (a client's own Jinja) is refused unless
     # --allow-client-chat-template, arguments of the template call always
-    # (`openai_routes.check_chat_template_kwargs`).
+    # (`openai_requests.check_chat_template_kwargs`).
     chat_template_kwargs: Optional[dict[str, Any]] = None
     # Constrained decoding (at most one, nor with response_format): a JSON schema as a
     # string, a regular expression, an EBNF grammar.
@@ -94,7 +94,7 @@ class SGLangExtensions(_Strict):
     json_schema: Optional[str] = None
     ebnf: Optional[str] = None
     # OpenAI's: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema":
-    # {"name": ..., "schema": {...}}} (checked by `openai_routes.response_format_schema`).
+    # {"name": ..., "schema": {...}}} (checked by `openai_requests.response_format_schema`).
     response_format: Optional[Any] = None
     # Would change results: refused when set.
     continue_final_message: Optional[bool] = None

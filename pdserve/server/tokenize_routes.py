@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from fastapi import FastAPI
 
 from pdserve.config import ServerArgs
-from pdserve.server.openai_routes import check_chat_template_kwargs, check_model, render_chat, template_call_args
+from pdserve.server.openai_requests import check_chat_template_kwargs, check_model, render_chat, template_call_args
 from pdserve.server.tool_calls import tool_plan
 from pdserve.server.protocol import ApiError, DetokenizeRequest, TokenizeRequest, from_value_error
 from pdserve.server.tokenizer_manager import TokenizerManager

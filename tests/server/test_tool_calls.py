@@ -16,7 +16,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from pdserve import assets
-from pdserve.server.openai_routes import ChatChunks, chat_message, render_chat
+from pdserve.server.openai_requests import render_chat
+from pdserve.server.openai_routes import ChatChunks, chat_message
 from pdserve.server.protocol import ChatCompletionRequest
 from pdserve.server.reasoning import ReasoningParser
 from pdserve.server.tool_calls import (TOOL_CALL_PARSERS, HermesParser, Llama3JsonParser, NamedCall, RequiredCalls,
