@@ -7,6 +7,12 @@ A disaggregated request (one sample: every sample has its own room) is a
 more: its room, its phase, and what the phase needs (the prefill server's address,
 the positions already queued for transfer, the pages held after a failure). The
 scheduler's queues (waiting, running) hold only the ``Req`` while it computes.
+
+On a prefill server the samples of one request (n > 1) share one prompt
+computation: the first live sample carries the others as ``pending_forks`` (they
+wait as AWAITING_PROMPT), and when its prompt is complete they are forked from it
+(``KVManager.fork``: shared full pages, a copied partial page, their own first
+tokens) and each is sent to its own room (FORKED until decode has said where).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class Phase(enum.Enum):
     BOOTSTRAPPING = "bootstrapping"  # waiting for decode to say where the KV goes
     COMPUTING = "computing"          # being prefilled (waiting or chunked); KV sent as it is written
     INFLIGHT = "inflight"            # first token drawn, record queued behind the last write
+    AWAITING_PROMPT = "awaiting_prompt"  # n > 1: another sample of the request computes the prompt
+    FORKED = "forked"                # n > 1: forked with its first token; waits for decode's room
     # decode server
     QUEUED = "queued"                # connecting to its prefill server / waiting for KV room
     TRANSFERRING = "transferring"    # KV reserved and asked for; waiting for the record
@@ -55,6 +63,7 @@ class Handoff:
     phase: Phase
     peer_url: str = ""                    # decode: the prefill server's bootstrap address
     sent: int = 0                         # prefill: prompt positions queued for transfer
+    bootstrapped: bool = False            # prefill: every rank agreed decode said where the KV goes
     first_position: int = 0               # decode: prompt positions served from its own prefix cache
     held_pages: torch.Tensor | None = None  # decode, quarantined: pages kept out of use
     release_at: float = 0.0               # decode, quarantined: freed then at the latest
@@ -123,10 +132,11 @@ def add_pd_state(st: dict[str, object], mode: str, waiting: int, running: int, m
 
 
 def split_samples(sched: "Scheduler", req: Req) -> list[Req]:
-    """A request's n samples as independent requests. Across the split every sample
-    has its own room: prefill computes each one's first token (its draw is the one
-    a colocated fork would make: sampling noise depends on the sample's seed and
-    position only) and sends it the whole prompt KV; decode runs each on its own.
+    """A request's n samples, each in its own room. Decode runs each on its own;
+    prefill computes the prompt once (sample 0 keeps the others as pending forks),
+    draws each one's first token from the same logits as a colocated fork (sampling
+    noise depends on the sample's seed and position only) and sends each room the
+    whole prompt KV.
 
     With max_new_tokens 0 there is nothing to hand over: each side ends the request on
     arrival with `length` and no token, as a colocated server does (no room is opened),

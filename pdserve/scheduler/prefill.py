@@ -8,6 +8,16 @@ it). Once its first token is drawn the handoff record follows the last write and
 it waits as INFLIGHT until the transfer succeeded or failed; only then are its
 pages released. A failed room (decode died, a write failed, a deadline) ends its
 request at whatever phase it is in; a long prompt stops being computed at once.
+
+The samples of a request (n > 1) share one prompt computation, as colocated: sample 0
+carries the others as pending forks (they wait as AWAITING_PROMPT, each room
+bootstrapping on its own). When its prompt is complete they are forked from it
+(shared full pages, a copied partial page, the prompt logprobs) and each draws its own
+first token from the same logits with its own seed; each one's whole prompt KV then
+goes to its own room, at once when decode has said where, else once it has (FORKED).
+A room that fails ends only its sample; when the carrier's fails while the prompt is
+still being computed, the next live sample takes the computation over (it recomputes
+what the prefix cache lacks).
 """
 
 from __future__ import annotations
@@ -33,6 +43,17 @@ from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class _FeatureRows:
+    """The target features a plain prefill server captures for a speculative decode
+    peer, moving with the KV slots (a forked sample's copy of a partial last page)."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+
+    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.pool[dst] = self.pool[src]
 
 
 class PrefillScheduler(Scheduler):
@@ -81,6 +102,7 @@ class PrefillScheduler(Scheduler):
                 width = cfg.hidden_size * max(1, len(layers))
                 pool = torch.zeros(self.kv.num_slots, width, dtype=self.runner.dtype, device=self.device)
                 self.feature_sink = (tuple(layers), pool)
+                self.kv.followers.append(_FeatureRows(pool))  # a fork's copied page keeps its features
             if not self._features_registered:  # Mooncake writes only from registered memory
                 self.engine.register(pool.data_ptr(), pool.numel() * pool.element_size())  # type: ignore
                 self._features_registered = True
@@ -118,12 +140,16 @@ class PrefillScheduler(Scheduler):
                 self.manager.abort(room, "another sample's room was refused")
                 self.manager.release(room)
             raise ValueError(f"bootstrap_room: {exc}") from None
-        req.pending_forks = []  # (only now: if add() raises, the caller fails every sample)
+        # Sample 0 computes the prompt for all (its pending forks wait for it).
         for sample in samples:
-            self.handoffs.add(Handoff(sample, sample.bootstrap_room, Phase.BOOTSTRAPPING))  # type: ignore[arg-type]
+            phase = Phase.BOOTSTRAPPING if sample is req else Phase.AWAITING_PROMPT
+            self.handoffs.add(Handoff(sample, sample.bootstrap_room, phase))  # type: ignore[arg-type]
 
     def abort(self, rid: str, message: str = "aborted by the client") -> list[Req]:
         out = []
+        for h in self.handoffs:
+            if h.req.rid == rid:
+                self._separate(h.req)  # every sample ends on its own below, none takes over
         for h in self.handoffs:
             if h.req.rid == rid and h.phase is not Phase.COMPUTING:
                 self.manager.abort(h.room, message)
@@ -157,10 +183,17 @@ class PrefillScheduler(Scheduler):
                     self.chunked = None
                 else:
                     self.waiting.remove(h.req)
+            elif h.phase is Phase.AWAITING_PROMPT:
+                self._detach(h.req)
             self._fail(h, out)
         elif ready is Readiness.DONE and h.phase is Phase.BOOTSTRAPPING:
+            h.bootstrapped = True
             h.phase = Phase.COMPUTING
             self.waiting.append(h.req)
+        elif ready is Readiness.DONE and h.phase is Phase.AWAITING_PROMPT:
+            h.bootstrapped = True  # its KV is sent as soon as it is forked
+        elif ready is Readiness.DONE and h.phase is Phase.FORKED:
+            self._ship(h)
         elif ready is Readiness.DONE and h.phase is Phase.INFLIGHT:
             out.finished += self._end(h, FinishReason(FinishKind.LENGTH))
             out.advanced.append(h.req)
@@ -189,7 +222,23 @@ class PrefillScheduler(Scheduler):
         for req in batch.sampling_reqs:
             if req.finish is None:
                 with self.guarded([req], out, "handing off"):
-                    self._hand_off(req)
+                    h = self.handoffs.get(req.bootstrap_room)
+                    assert h is not None
+                    if h.phase is Phase.AWAITING_PROMPT:  # forked from its carrier by this step
+                        h.phase = Phase.FORKED
+                        if h.bootstrapped:
+                            self._ship(h)
+                    else:
+                        self._hand_off(req)
+
+    def _ship(self, h: Handoff) -> None:
+        """Send a forked sample's whole prompt KV (from its own row: the shared pages and
+        its copy of a partial last page) and its handoff record."""
+        req = h.req
+        if req.kv_len > h.sent:
+            self.manager.send(h.room, self.kv.slots(req, h.sent, req.kv_len), h.sent)
+            h.sent = req.kv_len
+        self._hand_off(req)
 
     def _hand_off(self, req: Req) -> None:
         h = self.handoffs.get(req.bootstrap_room)
@@ -206,7 +255,7 @@ class PrefillScheduler(Scheduler):
         state = self.manager.status(h.room)[0]
         if state is RoomState.FAILED:
             return Readiness.FAILED
-        if h.phase is Phase.BOOTSTRAPPING:
+        if h.phase in (Phase.BOOTSTRAPPING, Phase.AWAITING_PROMPT, Phase.FORKED):
             return Readiness.DONE if self.manager.ready(h.room) else Readiness.WAITING
         return Readiness.DONE if state is RoomState.SUCCESS else Readiness.WAITING
 
@@ -223,6 +272,9 @@ class PrefillScheduler(Scheduler):
     def fail_request(self, req: Req, message: str) -> list[Req]:
         h = self.handoffs.get(req.bootstrap_room)
         if req.finish is None and h is not None and h.req is req:
+            if h.phase is Phase.AWAITING_PROMPT:
+                self._detach(req)
+            self._promote(req)
             self.handoffs.remove(h)
             try:  # decode hears of it; the room ends
                 self.manager.abort(h.room, f"internal error: {message}")
@@ -237,9 +289,42 @@ class PrefillScheduler(Scheduler):
         return list(held.values())
 
     def _end(self, h: Handoff, reason: FinishReason) -> list[Req]:
+        self._promote(h.req)  # its samples still waiting for the prompt live on
         done = self.finish(h.req, reason)
         self._forget(h)
         return done
+
+    # ---- the samples of one request (n > 1) ----------------------------------------------
+    def _separate(self, carrier: Req) -> list[Req]:
+        """Take the samples waiting for ``carrier``'s prompt off it (the table rows its
+        admission gave them go back); returns them."""
+        children, carrier.pending_forks = carrier.pending_forks, []
+        for child in children:
+            self.kv.release(child, cache_kv=False)
+        return children
+
+    def _promote(self, carrier: Req) -> None:
+        """``carrier`` ends before its prompt is complete: the first sample waiting for
+        it computes the prompt instead, for itself and the others."""
+        children = self._separate(carrier)
+        if not children:
+            return
+        heir, heir.pending_forks = children[0], children[1:]
+        h = self.handoffs.get(heir.bootstrap_room)
+        assert h is not None and h.phase is Phase.AWAITING_PROMPT
+        if h.bootstrapped:
+            h.phase = Phase.COMPUTING
+            self.waiting.insert(0, heir)  # its request arrived before the ones queued behind
+        else:
+            h.phase = Phase.BOOTSTRAPPING
+
+    def _detach(self, child: Req) -> None:
+        """A sample waiting for another's prompt ends on its own: off its carrier."""
+        for h in self.handoffs:
+            if child in h.req.pending_forks:
+                h.req.pending_forks.remove(child)
+                self.kv.release(child, cache_kv=False)
+                return
 
     def _forget(self, h: Handoff) -> None:
         self.handoffs.remove(h)
@@ -247,9 +332,11 @@ class PrefillScheduler(Scheduler):
 
     # ---- inspection -------------------------------------------------------------------
     def state(self) -> dict[str, object]:
-        booting, inflight = self.handoffs.count(Phase.BOOTSTRAPPING), self.handoffs.count(Phase.INFLIGHT)
-        return add_pd_state(super().state(), "prefill", booting, inflight, self.manager,
-                            bootstrapping=booting, inflight=inflight, transfer_bytes=self.manager.bytes_sent,
+        booting = self.handoffs.count(Phase.BOOTSTRAPPING) + self.handoffs.count(Phase.FORKED)
+        awaiting, inflight = self.handoffs.count(Phase.AWAITING_PROMPT), self.handoffs.count(Phase.INFLIGHT)
+        return add_pd_state(super().state(), "prefill", booting + awaiting, inflight, self.manager,
+                            bootstrapping=booting, awaiting_prompt=awaiting, inflight=inflight,
+                            transfer_bytes=self.manager.bytes_sent,
                             transfer_seconds=self.manager.transfer_seconds)
 
     def close(self) -> None:

@@ -105,6 +105,9 @@ class Scheduler(FaultIsolation):
         self.num_forward_steps = 0
         self.prompt_tokens_seen = 0   # prompt tokens of admitted requests
         self.cached_tokens_seen = 0   # of which served from the prefix cache
+        # Tokens prefill forwards computed (not served from the cache): the prompts, once
+        # per request however many samples it has, and retracted requests' recomputed KV.
+        self.prefill_tokens_computed = 0
         # Compiles the grammars of constrained requests; set by the builder, which
         # holds the tokenizer (None: constrained requests are refused).
         self.grammars: GrammarBackend | None = None
@@ -335,6 +338,7 @@ class Scheduler(FaultIsolation):
                                   sample_index + logprob_index, self.device)
         for req, extend in admitted:
             req.kv_len += extend  # KV is written by this forward
+        self.prefill_tokens_computed += len(ids)
         return ScheduledBatch("prefill", reqs, fwd)
 
     def _process_prefill(self, batch: ScheduledBatch, logits: torch.Tensor, out: StepOutput) -> None:
@@ -451,6 +455,7 @@ class Scheduler(FaultIsolation):
             "token_usage": used / max(1, mem["kv_pages_total"]),
             "num_used_tokens": used * self.page_size,
             "cache_hit_rate": self.cached_tokens_seen / max(1, self.prompt_tokens_seen),
+            "prefill_tokens_computed": self.prefill_tokens_computed,
             "context_len": self.context_len,
             "avg_spec_accept_length": self.spec.avg_accept_length if self.spec is not None else None,
         }
