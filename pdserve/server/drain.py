@@ -7,7 +7,14 @@ already submitted keep running: a colocated or decode server finishes its runnin
 requests, a PD prefill server its KV transfers (a prefill request ends only once its
 transfer is acknowledged). After `--graceful-shutdown-timeout` seconds whatever is still
 in flight is aborted: its client gets a 503 error (or, on a stream, an error event and
-`[DONE]`) saying the server shut down. Then uvicorn stops and the process exits 0.
+`[DONE]`) saying the server shut down. Then, if a client that was probing `/health` when
+the drain began is still connected and has not probed since (a router: its probes keep a
+connection alive), the server waits for that probe, still answering "draining", up to
+LINGER_MAX_S (never past the drain's deadline): the router then sees the drain and takes
+the server out of rotation, rather than finding it gone, which would count as a failure.
+A router that removed the server first (DELETE /workers) has closed its connections and
+is not waited for; nor are probes on connections of their own (kubelet, curl). Then
+uvicorn stops and the process exits 0.
 
 **Load shedding** (`--max-queued-requests N`): the queue is counted here, in the HTTP
 process, at the moment a request is submitted, so a burst is refused as it arrives
@@ -39,6 +46,13 @@ logger = logging.getLogger("pdserve")
 RETRY_AFTER_S = 1
 # How often the drain looks at what is still in flight.
 DRAIN_POLL_S = 0.05
+# After the drain: a /health probe this recent (before the drain began), on a connection
+# still open, is a router watching; the server waits for its next probe this long at most.
+PROBE_WATCH_S = 5.0
+LINGER_MAX_S = 5.0
+MAX_PROBE_PEERS = 256  # probes remembered (older ones are forgotten beyond this)
+
+Peer = tuple[str, int]  # a client's (host, port), as uvicorn and Starlette give it
 
 
 class Refused(Exception):
@@ -90,7 +104,11 @@ class Drain:
         self.aborted = 0                       # requests cut off at the deadline
         self.done = False
         self.stop: Callable[[], None] = lambda: None
+        # The peers of the connections open now (launch.py: uvicorn's connections).
+        self.open_peers: Callable[[], set[Peer]] = set
         self._task: asyncio.Task | None = None
+        self._began = 0.0                       # time.monotonic() when the drain began
+        self._probes: dict[Peer, float] = {}    # peer -> monotonic time of its last /health
 
     @property
     def draining(self) -> bool:
@@ -107,6 +125,7 @@ class Drain:
         if self.draining:
             return False
         self.since, self.cause = time.time(), cause
+        self._began = time.monotonic()
         logger.info("draining (%s): %d request(s) in flight, up to %g s (--graceful-shutdown-timeout)",
                     cause, self.manager.in_flight_requests(), self.timeout)
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -124,11 +143,40 @@ class Drain:
                 logger.warning("drain deadline reached: aborted %d request(s)", self.aborted)
             else:
                 logger.info("drained: every request in flight finished")
+            await self._linger(deadline)
         except Exception:  # never leave the server half drained: stop it anyway
             logger.exception("drain failed; stopping the server")
         finally:
             self.done = True
             self.stop()
+
+    def probed(self, peer: Peer | None) -> None:
+        """A GET /health from `peer` (the route calls this before it answers)."""
+        if peer is None:
+            return
+        now = time.monotonic()
+        self._probes[tuple(peer)] = now  # type: ignore[index]
+        if len(self._probes) > MAX_PROBE_PEERS:  # kubelets and curl: a new peer per probe
+            self._probes = {p: t for p, t in self._probes.items() if now - t <= PROBE_WATCH_S}
+            while len(self._probes) > MAX_PROBE_PEERS:
+                del self._probes[next(iter(self._probes))]
+
+    def watchers(self) -> set[str]:
+        """Hosts still connected that probed /health shortly before the drain began and
+        have not probed since (so have not seen it)."""
+        seen = {p[0] for p, t in self._probes.items() if t >= self._began}
+        open_peers = self.open_peers()
+        return {p[0] for p, t in self._probes.items()
+                if self._began - PROBE_WATCH_S <= t < self._began and p in open_peers and p[0] not in seen}
+
+    async def _linger(self, deadline: float) -> None:
+        until = min(deadline, time.monotonic() + LINGER_MAX_S)
+        waited = False
+        while self.watchers() and time.monotonic() < until:
+            waited = True
+            await asyncio.sleep(DRAIN_POLL_S)
+        if waited:
+            logger.info("drain: waited for the next /health probe of the router(s) watching")
 
     def status(self) -> dict[str, Any]:
         """What /health and /get_server_info show of it."""

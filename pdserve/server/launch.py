@@ -97,6 +97,7 @@ class _Server(uvicorn.Server):
         self.drain = drain
         self.loop: asyncio.AbstractEventLoop | None = None
         drain.stop = self.request_exit
+        drain.open_peers = lambda: {c.client for c in self.server_state.connections if c.client}
 
     def request_exit(self) -> None:
         self.should_exit = True

@@ -48,7 +48,10 @@ class ServiceRoutes:
         app.post("/abort_request")(self.abort_request)
         app.post("/drain")(self.drain)
 
-    async def health(self) -> Response:
+    async def health(self, request: Request) -> Response:
+        if self.manager.drain is not None:
+            # Who watches this server: a drain over waits for a router's next probe (drain.py).
+            self.manager.drain.probed(request.client)
         if self.manager.dead_reason:
             return JSONResponse(error_body(self.manager.dead_reason, "server_error", None, 503), status_code=503)
         drain = self.manager.drain

@@ -15,7 +15,9 @@ in flight, the process's exit), never on a sleep.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import signal
 import threading
@@ -233,3 +235,43 @@ def test_queue_limit_counts_samples_beyond_the_running_slots():
     QueueLimit(max_queued=None, max_running=1).check(in_flight=10_000, new=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         limit.max_queued = 3  # type: ignore[misc]
+
+
+def test_a_drain_over_waits_for_the_next_probe_of_a_connected_router(monkeypatch):
+    """Nothing in flight: the drain is over at once, but a client that was probing /health
+    on a connection still open (a router) gets until its next probe to see the drain; a
+    client whose connection closed (a router that removed the server first, a kubelet) is
+    not waited for; nor anyone past LINGER_MAX_S."""
+    from pdserve.server import drain as drain_mod
+
+    class Idle:
+        def in_flight_requests(self) -> int:
+            return 0
+
+        async def abort_all(self, reason: str) -> int:
+            return 0
+
+    router, kubelet = ("10.0.0.7", 40001), ("10.0.0.9", 51234)  # the kubelet: a connection per probe
+
+    async def scenario(open_peers: set, probe_again: bool) -> bool:
+        """Whether the drain stopped the server before the router's next probe."""
+        d = drain_mod.Drain(Idle(), timeout=30.0)
+        stopped = asyncio.Event()
+        d.stop = stopped.set
+        d.open_peers = lambda: open_peers
+        d.probed(router)
+        d.probed(kubelet)
+        d.start("SIGTERM")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stopped.wait(), 1.0)
+        early = stopped.is_set()
+        if probe_again:
+            d.probed(router)
+            await asyncio.wait_for(stopped.wait(), 5.0)
+            assert d.watchers() == set()
+        return early
+
+    assert asyncio.run(scenario({router}, probe_again=True)) is False  # waited for the probe
+    assert asyncio.run(scenario(set(), probe_again=False)) is True    # connection closed: at once
+    monkeypatch.setattr(drain_mod, "LINGER_MAX_S", 0.2)
+    assert asyncio.run(scenario({router}, probe_again=False)) is True  # bounded
