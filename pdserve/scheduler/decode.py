@@ -30,13 +30,14 @@ from pdserve.disagg.manager import DecodeTransferManager, LinkConfig
 from pdserve.disagg.rooms import RoomState
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
+from pdserve.scheduler.admission import too_big
 from pdserve.scheduler.batch import Draws, StepOutput
 from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
                                        kv_layout, register_buffers, split_samples)
 from pdserve.scheduler.kv_manager import pages_for
 from pdserve.scheduler.radix_cache import PrefixMatch
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
-from pdserve.scheduler.scheduler import Scheduler, _too_big
+from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ class DecodeScheduler(Scheduler):
                 self.kv.unlock(prefix)
             if not self.running and not transferring and need > self.kv.capacity:
                 self.handoffs.remove(h)
-                out.finished += self.finish(req, _too_big(need, self.kv.capacity))
+                out.finished += self.finish(req, too_big(need, self.kv.capacity))
                 return 0
             return None  # queue, do not fail: pages come back as requests finish
         # The slots are the request's from now on (released on any outcome); their KV
