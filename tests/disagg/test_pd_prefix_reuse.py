@@ -47,9 +47,13 @@ def cached_len(d, ids: list[int]) -> int:
     (None, None, {}),
     (None, None, {"page_size": 16}),
     ("EAGLE", "EAGLE", {}),
-    (None, "EAGLE3", {"page_size": 16}),
+    ("EAGLE3", "EAGLE3", {"page_size": 16}),
     ("EAGLE", None, {}),
-], ids=["plain", "plain-page16", "eagle", "plain-to-eagle3-page16", "eagle-to-plain"])
+    (None, "EAGLE", {}),
+    (None, "EAGLE3", {"page_size": 16}),
+    ("EAGLE3", None, {"page_size": 16}),
+], ids=["plain", "plain-page16", "eagle", "eagle3-page16", "eagle-to-plain", "plain-to-eagle", "plain-to-eagle3",
+        "eagle3-to-plain"])
 def test_second_turn_hits_decode_cache_and_equals_colocated(make_engine, dirs, p_algo, d_algo, extra):
     turn1 = first_turns(4, seed=1)
     engine = make_engine(dirs["target"], **extra)
@@ -99,6 +103,33 @@ def test_reuse_off_and_evicted_prefix_send_everything(make_engine, dirs):
         finally:
             p.close()
             d.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_partly_evicted_prefix_sends_the_rest(make_engine, dirs, page_size):
+    """Pressure evicted the tail of what decode cached (least recently used leaves go
+    first): turn 2 reuses the part still cached and receives everything after it."""
+    turn1 = first_turns(3, seed=8)
+    engine = make_engine(dirs["target"], page_size=page_size)
+    answers = [r["output_ids"] for r in engine.generate(input_ids=turn1, sampling_params=GREEDY)]
+    turn2 = second_turns(turn1, answers, seed=9)
+    ref = [r["output_ids"] for r in engine.generate(input_ids=turn2, sampling_params=GREEDY)]
+    p, d = pair(dirs, None, "EAGLE", {"page_size": page_size})
+    try:
+        run_pair(p, d, turn1)
+        full = [cached_len(d, t) for t in turn2]
+        evicted = d.kv.cache.evict(sum(full) // page_size // 2)
+        assert evicted > 0
+        left = [cached_len(d, t) for t in turn2]
+        assert sum(left) < sum(full)
+        before = d.transfer_bytes
+        assert run_pair(p, d, turn2) == ref
+        assert d.transfer_bytes - before == sum(len(t) - h for t, h in zip(turn2, left)) * d.bytes_per_position
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
 
 
 def test_whole_prompt_cached_transfers_nothing(make_engine, dirs):
