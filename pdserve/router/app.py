@@ -410,8 +410,12 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
         return Response("Cache flushed.\n", status_code=200)
 
     # ---- worker management (admin.py) -------------------------------------------------
-    def worker_url(raw: str) -> str | Response:
-        """The {url} of /workers/{url} (percent-decoded by the server), normalised."""
+    def worker_url(request: Request, raw: str) -> str | Response:
+        """The {url} of /workers/{url} (percent-decoded by the server), normalised; or the
+        refusal (not the admin, a malformed url)."""
+        denied = not_admin(request)
+        if denied is not None:
+            return denied
         try:
             return normalise_url(raw, "url")
         except ConfigError as exc:
@@ -426,10 +430,7 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
 
     @app.get("/workers/{url:path}")
     async def get_worker(url: str, request: Request) -> Response:
-        denied = not_admin(request)
-        if denied is not None:
-            return denied
-        url_or_error = worker_url(url)
+        url_or_error = worker_url(request, url)
         if isinstance(url_or_error, Response):
             return url_or_error
         worker = registry.get(url_or_error)
@@ -454,10 +455,7 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
 
     @app.delete("/workers/{url:path}")
     async def delete_worker(url: str, request: Request) -> Response:
-        denied = not_admin(request)
-        if denied is not None:
-            return denied
-        url_or_error = worker_url(url)
+        url_or_error = worker_url(request, url)
         if isinstance(url_or_error, Response):
             return url_or_error
         worker = router.remove_worker(url_or_error)

@@ -17,7 +17,7 @@ from pdserve.scheduler.decode import DecodeScheduler
 from pdserve.scheduler.handoff import Phase
 from pdserve.scheduler.prefill import PrefillScheduler
 from pdserve.scheduler.req import samples_from_message
-from tests.disagg.test_pd_schedulers import GREEDY, dirs, pools_full, run_pair, sched, step_until  # noqa: F401
+from tests.disagg.test_pd_schedulers import PD_CELLS, GREEDY, dirs, pools_full, run_pair, sched, step_until  # noqa: F401
 from tests.waiting import wait_until
 
 
@@ -43,17 +43,7 @@ def cached_len(d, ids: list[int]) -> int:
     return d.kv.matched_len(ids)
 
 
-@pytest.mark.parametrize("p_algo,d_algo,extra", [
-    (None, None, {}),
-    (None, None, {"page_size": 16}),
-    ("EAGLE", "EAGLE", {}),
-    ("EAGLE3", "EAGLE3", {"page_size": 16}),
-    ("EAGLE", None, {}),
-    (None, "EAGLE", {}),
-    (None, "EAGLE3", {"page_size": 16}),
-    ("EAGLE3", None, {"page_size": 16}),
-], ids=["plain", "plain-page16", "eagle", "eagle3-page16", "eagle-to-plain", "plain-to-eagle", "plain-to-eagle3",
-        "eagle3-to-plain"])
+@PD_CELLS
 def test_second_turn_hits_decode_cache_and_equals_colocated(make_engine, dirs, p_algo, d_algo, extra):
     turn1 = first_turns(4, seed=1)
     engine = make_engine(dirs["target"], **extra)

@@ -107,7 +107,8 @@ def pools_full(s) -> None:
     assert m["kv_pages_free"] == m["kv_pages_total"] and m["req_slots_free"] == m["req_slots_total"], m
 
 
-@pytest.mark.parametrize("p_algo,d_algo,extra", [
+# Every prefill x decode speculative cell, with both page sizes among them.
+PD_CELLS = pytest.mark.parametrize("p_algo,d_algo,extra", [
     (None, None, {}),
     (None, None, {"page_size": 16}),
     ("EAGLE", "EAGLE", {}),
@@ -118,6 +119,9 @@ def pools_full(s) -> None:
     ("EAGLE3", None, {"page_size": 16}),
 ], ids=["plain", "plain-page16", "eagle", "eagle3-page16", "eagle-to-plain", "plain-to-eagle", "plain-to-eagle3",
         "eagle3-to-plain"])
+
+
+@PD_CELLS
 def test_pd_pair_equals_colocated(make_engine, dirs, p_algo, d_algo, extra):
     ps = prompts(6)
     ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]

@@ -8,7 +8,6 @@ servers."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import random
@@ -25,7 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.assets import path as asset_path
 from pdserve.router.fake_worker import ThreadedServer
 from tests.router.conftest import RouterProcess
-from tests.server.conftest import ServerProcess, assert_openai_error, free_port, parse_sse_lines, read_data_events
+from tests.server.conftest import (ServerProcess, assert_openai_error, free_port, parse_sse_lines, read_data_events,
+                                  start_servers)
 from tests.waiting import wait_until
 
 SERVER_FLAGS = ("--max-total-tokens", "16384", "--log-level", "warning")
@@ -81,20 +81,7 @@ class Cluster:
             "decode2": ("--disaggregation-mode", "decode"),
             "colocated": ("--disaggregation-mode", "null"),
         }
-        started: dict[str, ServerProcess] = {}
-        # Start the four servers at once: startup is mostly waiting on imports and loads.
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            futs = {name: pool.submit(ServerProcess, demo, *flags, *SERVER_FLAGS) for name, flags in specs.items()}
-            errors = []
-            for name, fut in futs.items():
-                try:
-                    started[name] = fut.result()
-                except Exception as exc:  # noqa: BLE001 - reported below, after cleanup
-                    errors.append(f"{name}: {exc}")
-        self.servers = started
-        if errors:
-            self.close()
-            raise RuntimeError("\n".join(errors))
+        started = self.servers = start_servers(demo, specs, *SERVER_FLAGS)
         self.prefill, self.colocated = started["prefill"], started["colocated"]
         self.decodes = [started["decode1"], started["decode2"]]
         self.fault = FaultProxy(self.prefill.url, self.decode_leg_live)

@@ -5,7 +5,6 @@ answers the prompt's part empty, the router fills it from prefill's answer."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 from typing import Any, Iterator
 
@@ -13,7 +12,7 @@ import pytest
 
 from tests.conftest import random_prompts
 from tests.router.conftest import RouterProcess
-from tests.server.conftest import ServerProcess, free_port, parse_sse_lines
+from tests.server.conftest import free_port, parse_sse_lines, start_servers
 
 FLAGS = ("--max-total-tokens", "8192", "--chunked-prefill-size", "8", "--log-level", "warning")
 IDS = random_prompts(2, 12, 30, seed=8)
@@ -25,18 +24,7 @@ class Deployment:
         boot = free_port()
         specs = {"prefill": ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)),
                  "decode": ("--disaggregation-mode", "decode"), "colocated": ()}
-        self.servers: dict[str, ServerProcess] = {}
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            futs = {name: pool.submit(ServerProcess, model_dir, *flags, *FLAGS) for name, flags in specs.items()}
-            errors = []
-            for name, fut in futs.items():
-                try:
-                    self.servers[name] = fut.result()
-                except Exception as exc:  # noqa: BLE001 - reported after cleanup
-                    errors.append(f"{name}: {exc}")
-        if errors:
-            self.close()
-            raise RuntimeError("\n".join(errors))
+        self.servers = start_servers(model_dir, specs, *FLAGS)
         self.router = RouterProcess("--pd-disaggregation", "--prefill", self.servers["prefill"].url, str(boot),
                                     "--decode", self.servers["decode"].url)
 

@@ -22,7 +22,6 @@ count in flight, the router's worker states), never on a sleep; no timing is ass
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import signal
 import threading
@@ -35,7 +34,7 @@ import pytest
 
 from pdserve.assets import path as asset_path
 from tests.router.conftest import RouterProcess
-from tests.server.conftest import ServerProcess, free_port, metric_value, parse_sse_lines
+from tests.server.conftest import ServerProcess, free_port, metric_value, parse_sse_lines, start_servers
 from tests.waiting import wait_until
 
 SERVER_FLAGS = ("--max-total-tokens", "8192", "--log-level", "warning", "--graceful-shutdown-timeout", "60")
@@ -143,25 +142,6 @@ class Load:
 
 
 # ---- the deployment --------------------------------------------------------------------
-def start_servers(specs: dict[str, tuple[str, ...]]) -> dict[str, ServerProcess]:
-    """Start servers at once (startup is mostly imports and loads); all or none."""
-    demo = asset_path("demo")
-    started: dict[str, ServerProcess] = {}
-    errors: list[str] = []
-    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
-        futs = {name: pool.submit(ServerProcess, demo, *flags, *SERVER_FLAGS) for name, flags in specs.items()}
-        for name, fut in futs.items():
-            try:
-                started[name] = fut.result()
-            except Exception as exc:  # noqa: BLE001 - reported below, after cleanup
-                errors.append(f"{name}: {exc}")
-    if errors:
-        for s in started.values():
-            s.close()
-        raise RuntimeError("\n".join(errors))
-    return started
-
-
 @pytest.fixture
 def deployment(monkeypatch) -> Iterator[tuple[dict[str, ServerProcess], dict[str, int]]]:
     # Six servers on a few cores: one thread each, or their thread pools stall each other
@@ -171,11 +151,11 @@ def deployment(monkeypatch) -> Iterator[tuple[dict[str, ServerProcess], dict[str
     decode = ("--disaggregation-mode", "decode")
     # The old servers and their replacements (the new ones join the router later, through
     # POST /workers: a pod that is up but not yet in rotation).
-    servers = start_servers({
+    servers = start_servers(asset_path("demo"), {
         "p0": ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boots["p0"])),
         "p1": ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boots["p1"])),
         "d1": decode, "d2": decode, "d3": decode, "d4": decode,
-    })
+    }, *SERVER_FLAGS)
     try:
         yield servers, boots
     finally:
@@ -314,7 +294,7 @@ def test_sigterm_first_on_an_idle_worker_is_no_failure():
     waits for the next /health probe of the router watching it, so the router takes it out
     of rotation as draining (no health-check failure, no warning) rather than finding it
     gone. (Before: "unhealthy", a failed probe and a warning.)"""
-    (server,) = start_servers({"s": ("--disaggregation-mode", "null")}).values()
+    (server,) = start_servers(asset_path("demo"), {"s": ("--disaggregation-mode", "null")}, *SERVER_FLAGS).values()
     try:
         router = RouterProcess("--worker-urls", server.url, "--health-check-interval", "1")
         try:

@@ -3,6 +3,7 @@ on a free port, wait for it, talk to it, stop it and check that no child survive
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -327,3 +328,24 @@ def assert_openai_error(r: httpx.Response, status: int = 400, fields: tuple[str,
         named = err.get("param") in fields or any(f in err["message"] for f in fields)
         assert named, f"error names none of {fields}: {err}"
     return err
+
+
+def start_servers(model_dir: Path, specs: dict[str, tuple[str, ...]], *common: str) -> dict[str, "ServerProcess"]:
+    """Start several servers at once (startup is mostly imports and loads), each with its
+    own flags then ``common``; all or none: if one fails, the others are closed and the
+    error names which."""
+    started: dict[str, ServerProcess] = {}
+    errors: list[str] = []
+    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+        futs = {name: pool.submit(ServerProcess, model_dir, *flags, *common) for name, flags in specs.items()}
+        for name, fut in futs.items():
+            try:
+                started[name] = fut.result()
+            except Exception as exc:  # noqa: BLE001 - reported below, after cleanup
+                errors.append(f"{name}: {exc}")
+    if errors:
+        for server in started.values():
+            with contextlib.suppress(Exception):
+                server.close()
+        raise RuntimeError("\n".join(errors))
+    return started

@@ -4,7 +4,6 @@ EAGLE on the decode server; streamed answers equal the whole ones; bad grammars 
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import json
 import random
@@ -18,7 +17,7 @@ import pytest
 from pdserve.assets import path as asset_path
 from tests.router.conftest import RouterProcess
 from pdserve.bench.grammar import object_schema
-from tests.server.conftest import ServerProcess, assert_openai_error, free_port
+from tests.server.conftest import assert_openai_error, free_port, start_servers
 
 FLAGS = ("--max-total-tokens", "16384", "--log-level", "warning")
 SCHEMAS = [object_schema(random.Random(seed)) for seed in range(6)]
@@ -34,18 +33,7 @@ class Deployment:
         specs = {"colocated": (), "prefill": ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                                               str(boot)),
                  "decode": ("--disaggregation-mode", "decode", *eagle)}
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            futs = {k: pool.submit(ServerProcess, demo, *v, *FLAGS) for k, v in specs.items()}
-            self.servers = {}
-            errors = []
-            for name, fut in futs.items():
-                try:
-                    self.servers[name] = fut.result()
-                except Exception as exc:  # noqa: BLE001 - reported after cleanup
-                    errors.append(f"{name}: {exc}")
-        if errors:
-            self.close()
-            raise RuntimeError("\n".join(errors))
+        self.servers = start_servers(demo, specs, *FLAGS)
         self.router = RouterProcess("--pd-disaggregation", "--prefill", self.servers["prefill"].url, str(boot),
                                     "--decode", self.servers["decode"].url)
         self.colocated = self.servers["colocated"]
