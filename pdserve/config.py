@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from pdserve.chat_templates import BUILTIN_CHAT_TEMPLATES
+from pdserve.disagg.staging import STAGING_MODES, choose_staging
 from pdserve.server.reasoning import REASONING_PARSERS
 from pdserve.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -76,6 +77,9 @@ class ServerArgs:
     # A decode server serves the prompt prefix it still caches (an earlier turn's prompt +
     # answer) from its own pool and asks prefill only for the rest; this turns that off.
     disable_decode_prefix_reuse: bool = False
+    # Where the transfer engine reads and writes KV: auto (the device buffers when the
+    # installed Mooncake build can register them, else host copies), direct, host.
+    disaggregation_kv_staging: str = "auto"
     # torch_native decode keeps running requests' KV contiguous (pdserve/model/decode_mirror.py).
     disable_decode_kv_mirror: bool = False
     schedule_policy: str = "fcfs"
@@ -257,10 +261,16 @@ class ServerArgs:
 
     def _validate_disaggregation(self, bad: Any) -> None:
         for name, choices in (("disaggregation_mode", DISAGGREGATION_MODES),
-                              ("disaggregation_transfer_backend", TRANSFER_BACKENDS)):
+                              ("disaggregation_transfer_backend", TRANSFER_BACKENDS),
+                              ("disaggregation_kv_staging", STAGING_MODES)):
             value = getattr(self, name)
             if value not in choices:
                 raise bad(name, f"invalid choice {value!r} (choose from {', '.join(choices)})")
+        if self.disaggregation_mode != "null":
+            try:  # a staging mode the installed transfer engine cannot serve fails here, at startup
+                choose_staging(self.disaggregation_kv_staging, torch.device(self.resolved_device()))
+            except ValueError as exc:
+                raise bad("disaggregation_kv_staging", str(exc).split(": ", 1)[1]) from None
         if not 0 <= self.disaggregation_bootstrap_port <= 65535:
             raise bad("disaggregation_bootstrap_port", f"must be in [0, 65535], got {self.disaggregation_bootstrap_port}")
         for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
@@ -439,6 +449,7 @@ _FIELD_CHOICES = {
     "attention_backend": ATTENTION_BACKENDS, "schedule_policy": SCHEDULE_POLICIES,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
     "disaggregation_mode": DISAGGREGATION_MODES, "disaggregation_transfer_backend": TRANSFER_BACKENDS,
+    "disaggregation_kv_staging": STAGING_MODES,
     "reasoning_parser": tuple(REASONING_PARSERS),
     "tool_call_parser": tuple(TOOL_CALL_PARSERS),
 }

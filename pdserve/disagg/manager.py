@@ -427,8 +427,10 @@ class PrefillTransferManager(_Side):
         r = self.rooms.get(room)
         return known and r is not None and r.state in (RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING)
 
-    def send(self, room: int, src_slots: Sequence[int], first_position: int) -> None:
-        """Queue the write of prompt positions [first_position, +len(src_slots)) of ``room``."""
+    def send(self, room: int, src_slots: Sequence[int], first_position: int, ready: Any = None) -> None:
+        """Queue the write of prompt positions [first_position, +len(src_slots)) of ``room``;
+        ``ready`` (a CUDA event recorded after the forward that filled them) is waited
+        for before the write reads them."""
         if self.rooms.get(room) is not None:  # rooms are only closed by this (the scheduler's) thread
             self.rooms.advance(room, RoomState.TRANSFERRING, only_from=RoomState.WAITING_FOR_INPUT)
         with self._lock:
@@ -436,7 +438,7 @@ class PrefillTransferManager(_Side):
             if pr is None:
                 raise RuntimeError(f"room {room}: send() before decode's transfer request")
             pr.pending += 1
-        self._work.put(("write", room, (list(src_slots), first_position)))
+        self._work.put(("write", room, (list(src_slots), first_position, ready)))
 
     def finish(self, room: int, record: P.HandoffRecord) -> None:
         """The last chunk is queued: send the handoff record once all writes are done."""
@@ -479,7 +481,7 @@ class PrefillTransferManager(_Side):
                     self._tell(room, P.Abort(room, f"KV transfer failed: {exc}"))
                 self._ack_if_idle(room)
 
-    def _write(self, room: int, src_slots: list[int], first: int) -> None:
+    def _write(self, room: int, src_slots: list[int], first: int, ready: Any = None) -> None:
         with self._lock:
             pr = self._rooms.get(room)
         if pr is None:
@@ -488,6 +490,8 @@ class PrefillTransferManager(_Side):
             state, _ = self.status(room)
             if state is RoomState.FAILED:
                 return
+            if ready is not None:
+                ready.synchronize()  # the forward that wrote these slots has finished
             for peer, request in self._destinations(room):
                 # Positions before first_position are in decode's cache already.
                 skip = max(0, request.first_position - first)

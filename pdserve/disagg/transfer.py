@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -154,21 +154,41 @@ class MooncakeTransfer:
 
 class LocalTransfer:
     """Same-process memcpy with the engine interface: lets tests run the protocol and
-    the transfer plan without a network (peers must live in this process)."""
+    the transfer plan without a network (peers must live in this process). Where CUDA
+    is in use the copies go through ``cudaMemcpy`` (kind default: unified addressing
+    tells host from device memory), so buffers may be GPU memory too."""
 
     def __init__(self, name: str = "local") -> None:
         self.session_id = name
         self.bytes_written = 0
+        self._copy = _cuda_memcpy() or ctypes.memmove
 
     def register(self, ptr: int, length: int) -> None:
         pass
 
     def write(self, peer_session: str, batch: WriteBatch) -> None:
-        import ctypes
-
         for s, d, n in zip(batch.src, batch.dst, batch.lengths):
-            ctypes.memmove(d, s, n)
+            self._copy(d, s, n)
         self.bytes_written += batch.nbytes
+
+
+_CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+
+
+def _cuda_memcpy() -> Callable[[int, int, int], None] | None:
+    """A memmove-shaped cudaMemcpy from the CUDA runtime torch loaded; None without CUDA."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    cudart = ctypes.CDLL("libcudart.so.12")  # already loaded by torch: the same library
+    cudart.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def copy(dst: int, src: int, n: int) -> None:
+        rc = cudart.cudaMemcpy(dst, src, n, _CUDA_MEMCPY_DEFAULT)
+        if rc != 0:
+            raise TransferError(f"cudaMemcpy of {n} bytes failed with CUDA error {rc}")
+    return copy
 
     def close(self) -> None:
         pass

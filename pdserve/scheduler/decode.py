@@ -33,7 +33,7 @@ from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.admission import too_big
 from pdserve.scheduler.batch import Draws, StepOutput
 from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
-                                       kv_layout, register_buffers, split_samples)
+                                       kv_layout, register_buffers, split_samples, transfer_staging)
 from pdserve.scheduler.kv_manager import pages_for
 from pdserve.scheduler.radix_cache import PrefixMatch
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
@@ -47,6 +47,7 @@ class DecodeScheduler(Scheduler):
                  engine: object, fetch_ranks: Callable[[str], list[P.RankInfo]], tp: TPGroup = TPGroup(),
                  host: str = "127.0.0.1", link: LinkConfig = LinkConfig()) -> None:
         super().__init__(args, runner, decode_text, tp)
+        self.staging = transfer_staging(self)
         layout = kv_layout(self, with_features=True)
         register_buffers(engine, layout)
         self.manager = DecodeTransferManager(engine, compat_record(self), layout, tp.rank, tp.size,  # type: ignore
@@ -220,6 +221,8 @@ class DecodeScheduler(Scheduler):
         self.handoffs.remove(h)
         self.manager.release(h.room)
         req = h.req
+        if self.staging is not None:  # the transfer filled the host twins: into the pool before any step
+            self.staging.stage_in(self.kv.slots(req, h.first_position, len(req.prompt_ids)))
         req.cached_tokens = record.cached_tokens
         self.prefix_hit_tokens += h.first_position
         self.transfer_bytes += (len(req.prompt_ids) - h.first_position) * self.bytes_per_position

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, KVLayout, kv_head_range
+from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, HeadRange, KVLayout, kv_head_range
+from pdserve.disagg.staging import HostStaging, choose_staging
 from pdserve.model.parallel import TPGroup
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 
@@ -162,16 +163,30 @@ def compat_record(sched: "Scheduler") -> CompatRecord:
         feature_width=spec.config.feature_width if spec is not None else 0, tp_size=sched.tp.size)
 
 
+def transfer_staging(sched: "Scheduler") -> HostStaging | None:
+    """Host twins of the transfer buffers when the engine cannot reach the device's
+    memory (``--disaggregation-kv-staging``); None: the buffers are registered as they are."""
+    mode = choose_staging(sched.args.disaggregation_kv_staging, sched.device)
+    logger.info("KV transfer: %s", "device buffers registered directly" if mode == "direct" else
+                "staged through host copies of the KV buffers")
+    return HostStaging() if mode == "host" else None
+
+
+def buffer_spec(sched: "Scheduler", name: str, t: torch.Tensor, heads: HeadRange | None = None) -> BufferSpec:
+    """A transfer buffer as the engine sees it: ``t`` itself, or its host twin."""
+    staging: HostStaging | None = getattr(sched, "staging", None)
+    if staging is not None:
+        t = staging.twin(name, t)
+    return BufferSpec(name, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size(), heads)
+
+
 def kv_layout(sched: "Scheduler", with_features: bool) -> KVLayout:
     """The named buffers of this rank: target KV (head-sharded) and, with a draft,
     the target-feature pool (one row per slot)."""
     heads = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
-    specs = []
-    for name, t in sched.kv.kv_pool.buffers().items():
-        specs.append(BufferSpec(name, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size(), heads))
+    specs = [buffer_spec(sched, name, t, heads) for name, t in sched.kv.kv_pool.buffers().items()]
     if with_features and sched.spec is not None:
-        f = sched.spec.features
-        specs.append(BufferSpec("features", f.data_ptr(), f.shape[0], f[0].numel() * f.element_size()))
+        specs.append(buffer_spec(sched, "features", sched.spec.features))
     return KVLayout(sched.page_size, tuple(specs))
 
 

@@ -38,7 +38,7 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput
 from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
-                                       kv_layout, register_buffers, split_samples)
+                                       kv_layout, register_buffers, split_samples, transfer_staging)
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
 
@@ -66,6 +66,7 @@ class PrefillScheduler(Scheduler):
         self.bootstrap: BootstrapServer | None = None  # rank 0 of a prefill server runs the registry
         # Features are published per decode peer (provide_features), not up front:
         # which layers they hold is the decode draft's choice.
+        self.staging = transfer_staging(self)
         layout = kv_layout(self, with_features=False)
         register_buffers(engine, layout)
         self.engine = engine
@@ -103,6 +104,8 @@ class PrefillScheduler(Scheduler):
                 pool = torch.zeros(self.kv.num_slots, width, dtype=self.runner.dtype, device=self.device)
                 self.feature_sink = (tuple(layers), pool)
                 self.kv.followers.append(_FeatureRows(pool))  # a fork's copied page keeps its features
+            if self.staging is not None:
+                pool = self.staging.twin("features", pool)
             if not self._features_registered:  # Mooncake writes only from registered memory
                 self.engine.register(pool.data_ptr(), pool.numel() * pool.element_size())  # type: ignore
                 self._features_registered = True
@@ -216,9 +219,7 @@ class PrefillScheduler(Scheduler):
             if h is None or req.finish is not None:
                 continue  # ended above
             with self.guarded([req], out, "sending KV"):
-                if req.kv_len > h.sent:
-                    self.manager.send(h.room, self.kv.slots(req, h.sent, req.kv_len), h.sent)
-                    h.sent = req.kv_len
+                self._send_new_kv(h)
         for req in batch.sampling_reqs:
             if req.finish is None:
                 with self.guarded([req], out, "handing off"):
@@ -234,11 +235,25 @@ class PrefillScheduler(Scheduler):
     def _ship(self, h: Handoff) -> None:
         """Send a forked sample's whole prompt KV (from its own row: the shared pages and
         its copy of a partial last page) and its handoff record."""
+        self._send_new_kv(h)
+        self._hand_off(h.req)
+
+    def _send_new_kv(self, h: Handoff) -> None:
+        """Queue the write of the positions ``h``'s request computed since the last send.
+        Staged: copied to the host twins first. Direct on a GPU: the write waits for an
+        event recorded after the forward that filled them."""
         req = h.req
-        if req.kv_len > h.sent:
-            self.manager.send(h.room, self.kv.slots(req, h.sent, req.kv_len), h.sent)
-            h.sent = req.kv_len
-        self._hand_off(req)
+        if req.kv_len <= h.sent:
+            return
+        slots = self.kv.slots(req, h.sent, req.kv_len)
+        ready = None
+        if self.staging is not None:
+            self.staging.stage_out(slots)
+        elif self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self.manager.send(h.room, slots, h.sent, ready)
+        h.sent = req.kv_len
 
     def _hand_off(self, req: Req) -> None:
         h = self.handoffs.get(req.bootstrap_room)
