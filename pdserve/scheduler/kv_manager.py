@@ -41,11 +41,13 @@ class SlotFollower(Protocol):
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
 
-def size_kv_pages(args: ServerArgs, runner: ModelRunner, tp: TPGroup) -> int:
-    """Pages of the KV pool, the padding page included (every TP rank gets the same)."""
+def size_kv_pages(args: ServerArgs, runner: ModelRunner, tp: TPGroup, slot_followers_bytes: int = 0) -> int:
+    """Pages of the KV pool, the padding page included (every TP rank gets the same).
+    ``slot_followers_bytes``: what every slot also costs in pools indexed like it (a
+    draft's KV and target features), so the memory budget covers them too."""
     cfg = runner.config
     per_token = TokenToKVPool.bytes_per_token(cfg.num_layers, runner.num_local_kv_heads, cfg.head_dim,
-                                              runner.kv_dtype)
+                                              runner.kv_dtype) + slot_followers_bytes
     if args.max_total_tokens is not None:
         tokens = args.max_total_tokens
     else:

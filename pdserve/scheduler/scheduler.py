@@ -61,7 +61,8 @@ class Scheduler(FaultIsolation, Admission):
         self.eos_ids = runner.config.eos_token_ids
         self.vocab_size = runner.config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_ids, self.device, tp)
-        num_pages = size_kv_pages(args, runner, tp)
+        num_pages = size_kv_pages(args, runner, tp, EagleWorker.bytes_per_slot(args, runner)
+                                  if args.speculative_algorithm is not None else 0)
         self.spec: EagleWorker | None = None
         self.decoding: PlainDecoding | EagleDecoding
         if args.speculative_algorithm is not None:

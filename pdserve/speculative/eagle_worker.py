@@ -103,6 +103,17 @@ class EagleWorker:
         self.num_verify_rounds = 0
         self.num_emitted_tokens = 0
 
+    @staticmethod
+    def bytes_per_slot(args: ServerArgs, runner: ModelRunner) -> int:
+        """Bytes the draft KV pool and the feature pool take per KV slot (read from the
+        draft's config before anything is allocated, to size the pools together)."""
+        assert args.speculative_algorithm is not None and args.speculative_draft_model_path is not None
+        config = DraftConfig.from_dir(Path(args.speculative_draft_model_path), args.speculative_algorithm,
+                                      runner.config)
+        lay = config.layer
+        draft_kv = TokenToKVPool.bytes_per_token(config.num_layers, lay.num_kv_heads, lay.head_dim, runner.kv_dtype)
+        return draft_kv + config.feature_width * torch.empty(0, dtype=runner.dtype).element_size()
+
     def bind(self, req_to_token: torch.Tensor) -> None:
         self.req_to_token = req_to_token
 

@@ -73,3 +73,31 @@ def test_trim_gives_back_the_pages_past_the_kept_length(llama_dir):
     assert kv.memory_state()["kv_pages_free"] == free + 2  # pages of positions 12..19
     kv.release(r, cache_kv=False)
     assert full(kv)
+
+
+def test_the_memory_budget_covers_the_draft_pools(tmp_path):
+    """With a draft, the pool is sized so target KV, draft KV and target features of
+    every slot fit the budget together (they are indexed by the same slots)."""
+    from pdserve.scheduler.kv_manager import size_kv_pages
+    from pdserve.scheduler.memory import TokenToKVPool
+    from pdserve.scheduler.scheduler import Scheduler
+    from pdserve.testing import build_random_draft, build_random_model
+
+    target = build_random_model(tmp_path / "t", "llama", num_layers=2)
+    draft = build_random_draft(target, tmp_path / "e", "EAGLE3")
+    budget = dict(cpu_kv_budget_gb=0.001, mem_fraction_static=0.5, max_running_requests=4096)
+    plain = ServerArgs(model_path=str(target), **budget)
+    spec = ServerArgs(model_path=str(target), speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
+                      **budget)
+    runner = ModelRunner(plain, target, TPGroup())
+    plain_pages = size_kv_pages(plain, runner, TPGroup())
+    sched = Scheduler(spec, ModelRunner(spec, target, TPGroup()), lambda ids: "")
+    spec_pages = sched.kv.capacity + 1
+    assert spec_pages < plain_pages
+    cfg = runner.config
+    per_slot = (TokenToKVPool.bytes_per_token(cfg.num_layers, runner.num_local_kv_heads, cfg.head_dim,
+                                              runner.kv_dtype)
+                + sum(t.numel() * t.element_size() for t in sched.spec.draft_pool.buffers().values())
+                / sched.kv.num_slots
+                + sched.spec.features[0].numel() * sched.spec.features.element_size())
+    assert (spec_pages - 1) * per_slot <= 0.0005 * (1 << 30) < spec_pages * per_slot + per_slot
