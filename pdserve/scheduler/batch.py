@@ -48,6 +48,7 @@ class ScheduledBatch:
     sampling_reqs: list[Req] = field(default_factory=list)
     sampling_rows: list[int] = field(default_factory=list)
     tree: Any = None            # verify: the draft tree (speculative.eagle_worker.DraftTree)
+    round_pages: list[list[int]] = field(default_factory=list)  # verify: the pages each row's round took
 
 
 @dataclass(frozen=True)

@@ -142,12 +142,14 @@ class KVManager:
                                    f"{self.cache.evictable_pages} reported evictable")
         return self.allocator.alloc_ids(n)
 
-    def assign(self, req: Req, start: int, end: int) -> None:
-        """Give positions [start, end) of ``req`` KV slots (continuing its last page)."""
+    def assign(self, req: Req, start: int, end: int) -> list[int]:
+        """Give positions [start, end) of ``req`` KV slots (continuing its last page);
+        returns the new pages' ids."""
         ps = self.page_size
         assert req.row is not None
         old_pages = pages_for(start, ps)
-        new_pages = self.alloc_pages(pages_for(end, ps) - old_pages).to(self.device)
+        new_ids = self.alloc_page_ids(pages_for(end, ps) - old_pages)
+        new_pages = upload(new_ids, torch.int64, self.device)
         pos = torch.arange(start, end, device=self.device)
         page_idx = pos // ps
         if old_pages:
@@ -157,6 +159,7 @@ class KVManager:
         else:
             page = new_pages[page_idx]
         self.req_table.table[req.row, start:end] = page * ps + pos % ps
+        return new_ids
 
     def reserve(self, req: Req, length: int, prefix: PrefixMatch | None = None) -> list[int]:
         """A row, the cached ``prefix`` (locked by ``match``; none: nothing cached) and
@@ -196,23 +199,23 @@ class KVManager:
         for f in self.followers:
             f.copy_slots(dst, src)
 
-    def move_positions(self, req: Req, moves: list[tuple[int, int]]) -> None:
-        """Copy the KV of position ``src`` to position ``dst`` of ``req`` for each move
-        (a speculative round keeping the accepted path)."""
+    def move_positions(self, moves: list[tuple[int, int, int]]) -> None:
+        """Copy the KV of position ``src`` to position ``dst`` of row ``row`` for each
+        ``(row, dst, src)`` (speculative rounds keeping their accepted paths; rows never
+        share slots, so one batched copy serves every request)."""
         if not moves:
             return
-        table = self.req_table.table[req.row]
-        dst = table[torch.tensor([d for d, _ in moves], device=self.device)]
-        src = table[torch.tensor([s for _, s in moves], device=self.device)]
-        self.copy_slots(dst, src)
+        rows, dsts, srcs = upload([x for move in moves for x in move], torch.int64, self.device).view(-1, 3).unbind(1)
+        table = self.req_table.table
+        self.copy_slots(table[rows, dsts], table[rows, srcs])
 
-    def trim(self, req: Req, held_len: int) -> None:
-        """Release the pages past ``req.kv_len`` that positions up to ``held_len`` used."""
+    def trim(self, req: Req, start: int, new_pages: list[int]) -> None:
+        """Release the pages of ``new_pages`` (what ``assign`` from position ``start``
+        gave) past ``req.kv_len``: no device read, the ids are the host's."""
         ps = self.page_size
-        keep, held = pages_for(req.kv_len, ps), pages_for(held_len, ps)
-        if held > keep:
-            tail = self.req_table.table[req.row, keep * ps: held * ps: ps] // ps
-            self.allocator.release(tail.cpu())
+        keep = pages_for(req.kv_len, ps) - pages_for(start, ps)
+        if keep < len(new_pages):
+            self.allocator.release(torch.tensor(new_pages[max(0, keep):], dtype=torch.int64))
 
     def fork(self, parent: Req, children: list[Req], own_last_position: bool) -> None:
         """Start ``children`` on the parent's prompt KV: full pages are shared, a partial

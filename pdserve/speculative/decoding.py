@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.model import device_io
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput
-from pdserve.scheduler.req import Req
+from pdserve.scheduler.req import FinishReason, Req
 from pdserve.speculative.eagle_worker import EagleWorker
 
 if TYPE_CHECKING:
@@ -65,23 +66,27 @@ class EagleDecoding:
         reqs = list(sched.running)
         if not reqs:
             return None
-        for r in reqs:
-            sched.kv.assign(r, r.kv_len, r.kv_len + spec.room)
+        round_pages = [sched.kv.assign(r, r.kv_len, r.kv_len + spec.room) for r in reqs]
         tree = spec.propose(reqs)
-        return ScheduledBatch("verify", reqs, spec.verify_input(reqs, tree), tree=tree)
+        return ScheduledBatch("verify", reqs, spec.verify_input(reqs, tree), tree=tree, round_pages=round_pages)
 
     def process(self, batch: ScheduledBatch, logits: torch.Tensor, out: StepOutput) -> None:
         sched, spec = self.sched, self.spec
         reqs, nodes = batch.reqs, spec.num_draft_tokens
-        tokens, parents = batch.tree.tokens.tolist(), batch.tree.parents.tolist()
+        # The round's first read: the tree the draws are keyed to (the draws are the second).
+        tokens, parents = device_io.fetch(torch.stack([batch.tree.tokens, batch.tree.parents]))
         # Every node draws the token plain decoding would draw at its output
         # position (same penalties, same seeded noise), so the walk below emits
         # exactly the non-speculative output.
         views = [DrawView(r, path_tokens(tokens[b], parents[b], j)) for b, r in enumerate(reqs)
                  for j in range(nodes)]
         draws = sched.sampler.draw(logits, views, reqs)
+        moves: list[tuple[int, int, int]] = []
+        ended: list[tuple[Req, FinishReason]] = []
+        starts: list[int] = []  # each request's kv_len before the round
         for b, req in enumerate(reqs):
             base, n = b * nodes, req.kv_len
+            starts.append(n)
             path = spec.accept_path(tokens[b], parents[b], draws.ids[base: base + nodes])
             reason = None
             emitted = 0
@@ -92,17 +97,24 @@ class EagleDecoding:
                 if reason is not None:
                     break
             # Position n + j now holds the input of the j-th emitted token: node path[j].
-            sched.kv.move_positions(req, [(n + j, n + path[j]) for j in range(1, emitted) if path[j] != j])
+            moves += [(req.row, n + j, n + path[j]) for j in range(1, emitted) if path[j] != j]
             req.kv_len = n + emitted
-            sched.kv.trim(req, n + spec.room)
             req.spec_verify_ct += 1
             req.spec_accepted_drafts += min(emitted, len(path) - 1)
             spec.num_verify_rounds += 1
             spec.num_emitted_tokens += emitted
             out.advanced.append(req)
             if reason is not None:
-                sched.running.remove(req)
-                out.finished += sched.finish(req, reason)
+                ended.append((req, reason))
+        # One batched compaction, then the round's pages past each kept length go back
+        # (page ids from the host: no device read), then finished requests release
+        # (their compacted KV into the prefix cache).
+        sched.kv.move_positions(moves)
+        for b, req in enumerate(reqs):
+            sched.kv.trim(req, starts[b], batch.round_pages[b])
+        for req, reason in ended:
+            sched.running.remove(req)
+            out.finished += sched.finish(req, reason)
         spec.catch_up([r for r in reqs if r.row is not None])
 
     def prefilled(self, reqs: list[Req]) -> None:

@@ -174,7 +174,7 @@ class EagleWorker:
         front_entry = torch.arange(k, device=dev).expand(b, k)
         front_anc = torch.empty(b, k, 0, dtype=torch.int64, device=dev)  # ancestors' scratch offsets
         ent_tok, ent_score, ent_parent = [front_tok], [front_score], [torch.full((b, k), -1, device=dev)]
-        prefix_pos = torch.arange(int(n.max()), device=dev)
+        prefix_pos = torch.arange(max(r.kv_len for r in reqs), device=dev)  # (host lengths: no device read)
         for i in range(1, self.steps):
             own_off = (i - 1) * k + torch.arange(k, device=dev)            # scratch offsets of this step
             offs = torch.cat([front_anc, own_off.view(1, k, 1).expand(b, k, 1)], dim=2)  # [B, k, i]
@@ -211,8 +211,9 @@ class EagleWorker:
         entry_node = torch.full_like(score, -1, dtype=torch.int64)
         entry_node.scatter_(1, chosen, torch.arange(1, n_nodes, device=dev).expand(b, n_nodes - 1))
         par_entry = parent.gather(1, chosen)
+        # Every kept node's parent is kept (propose's stable sorts never keep a child
+        # without its parent), so each lookup below finds a node.
         par_node = torch.where(par_entry < 0, 0, entry_node.gather(1, par_entry.clamp(min=0)))
-        assert bool((par_node >= 0).all()), "a draft node was kept without its parent"
         root = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev)
         tokens = torch.cat([root.unsqueeze(1), tok.gather(1, chosen)], dim=1)
         parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par_node], dim=1)

@@ -66,10 +66,11 @@ def test_trim_gives_back_the_pages_past_the_kept_length(llama_dir):
     kv = manager(llama_dir, 4)
     r = req(list(range(6, 14)))
     kv.reserve(r, 8)
-    kv.assign(r, 8, 20)  # a speculative round's tree: 3 more pages
+    new = kv.assign(r, 8, 20)  # a speculative round's tree: 3 more pages
+    assert len(new) == 3 and kv.slots(r, 8, 20)[::4] == [p * 4 for p in new]
     free = kv.memory_state()["kv_pages_free"]
     r.kv_len = 10        # two of its positions were accepted
-    kv.trim(r, 20)
+    kv.trim(r, 8, new)
     assert kv.memory_state()["kv_pages_free"] == free + 2  # pages of positions 12..19
     kv.release(r, cache_kv=False)
     assert full(kv)
