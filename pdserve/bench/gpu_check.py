@@ -70,8 +70,9 @@ class Report:
     """Results so far, written to ``out`` after every section (a run cut short by
     its timeout still leaves what it measured)."""
 
-    def __init__(self, out: str | None) -> None:
+    def __init__(self, out: str | None, name: str = "gpu_check") -> None:
         self.out = out
+        self.name = name  # the report files' stem
         self.results: dict[str, Any] = {}
         self.lines: list[str] = []
 
@@ -100,8 +101,8 @@ class Report:
         if not self.out:
             return
         Path(self.out).mkdir(parents=True, exist_ok=True)
-        Path(self.out, "gpu_check.json").write_text(json.dumps(self.results, indent=1))
-        Path(self.out, "gpu_check.txt").write_text("\n".join(self.lines) + "\n")
+        Path(self.out, f"{self.name}.json").write_text(json.dumps(self.results, indent=1))
+        Path(self.out, f"{self.name}.txt").write_text("\n".join(self.lines) + "\n")
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeat: int = 5) -> float:

@@ -27,3 +27,19 @@ def test_gpu_check_smoke_writes_its_report(tmp_path):
     assert report["sync"]["ok"] is True, report["sync"]
     assert report["sync"]["steady_decode_steps_without_sync"] == 16
     assert "all sections ok" in (tmp_path / "gpu_check.txt").read_text()
+
+
+def test_gpu_check_pd_smoke_writes_its_report(tmp_path):
+    """Issue 23's in-process GPU proof (PD pairs over every staging mode, EAGLE chain and
+    tree, the staged transfer's bandwidth) runs end to end with tiny shapes."""
+    from pdserve.bench import gpu_check_pd
+
+    gpu_check_pd.main(["--smoke", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gpu_check_pd.json").read_text())
+    for section in ("pd", "spec", "transfer"):
+        assert report[section]["ok"] is True, report[section]
+    assert all(cell["turn1_equal"] == cell["requests"] == cell["turn2_equal"]
+               for name, cell in report["pd"].items() if name.startswith("P "))
+    assert report["spec"]["tree"]["equal"] == report["spec"]["tree"]["requests"]
+    assert report["transfer"]["staged"] > 0
+    assert "all sections ok" in (tmp_path / "gpu_check_pd.txt").read_text()

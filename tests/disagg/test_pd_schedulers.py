@@ -13,10 +13,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.config import ServerArgs
-from pdserve.disagg.transfer import LocalTransfer
-from pdserve.model.parallel import TPGroup
-from pdserve.model.runner import ModelRunner
+from pdserve.disagg import local_pair
+from pdserve.disagg.local_pair import build_side
 from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeScheduler
@@ -24,7 +22,6 @@ from pdserve.scheduler.handoff import Phase
 from pdserve.scheduler.prefill import PrefillScheduler
 from pdserve.scheduler.req import samples_from_message
 from pdserve.testing import build_random_draft, build_random_model
-from pdserve.tokenizer import load_tokenizer
 from tests.waiting import wait_until
 
 GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
@@ -47,10 +44,7 @@ def sched(cls, dirs, algo: str | None, extra: dict[str, Any] | None = None, **kw
                                         speculative_num_draft_tokens=5)
     if algo is not None:
         SPEC[algo] = spec
-    args = ServerArgs(model_path=str(dirs["target"]), **{"max_total_tokens": 8192, **spec, **(extra or {})})
-    runner = ModelRunner(args, dirs["target"], TPGroup())
-    tok = load_tokenizer(dirs["target"])
-    return cls(args, runner, lambda ids: tok.decode(ids, skip_special_tokens=False), LocalTransfer(), **kw)
+    return build_side(cls, dirs["target"], {"max_total_tokens": 8192, **spec, **(extra or {})}, **kw)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -61,33 +55,8 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_pair_outcomes(p, d, ps: list[list[int]], sampling: dict[str, Any] = GREEDY) -> list[Any]:
-    """Send every prompt through the pair; the decode side's samples once all ended
-    (each exactly once) and prefill holds nothing more."""
-    builder = RequestBuilder(None, 4096, 10**6, 4, 0)
-    params = SamplingParams.from_dict(sampling)
-    done: dict[tuple[str, int], Any] = {}
-    dec_reqs = []
-    for i, ids in enumerate(ps):
-        gp = samples_from_message(builder.group(ids, params, False, 0, rid=f"p{i}"))
-        gd = samples_from_message(builder.group(ids, params, False, 0, rid=f"d{i}"))
-        for rp, rd in zip(gp, gd):  # one room per sample
-            room = random.getrandbits(62) + i
-            for r in (rp, rd):
-                r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, room
-        p.add(gp[0])
-        d.add(gd[0])
-        dec_reqs += gd
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        p.step()
-        for r in d.step().finished:
-            assert (r.rid, r.sample_index) not in done, "a request ended twice"
-            done[(r.rid, r.sample_index)] = r
-        if len(done) == len(dec_reqs) and not p.has_work:
-            break
-        time.sleep(0.001)  # control messages travel on their own threads
-    assert len(done) == len(dec_reqs), "requests did not finish"
-    return [done[(r.rid, r.sample_index)] for r in dec_reqs]
+    """Every prompt through the pair: the decode side's samples once all ended."""
+    return local_pair.run_pair(p, d, ps, sampling)
 
 
 def run_pair(p, d, ps: list[list[int]], sampling: dict[str, Any] = GREEDY) -> list[list[int]]:

@@ -1,0 +1,181 @@
+"""The GPU proof of disaggregation and EAGLE on the device, in-process part
+(scripts/gpu_check_pd.sh calls it; issue 23).
+
+Sections (each runs even when an earlier one failed; results printed and, with
+--out, written to gpu_check_pd.json / .txt):
+
+1. pd: a prefill and a decode scheduler in one process on the device, over
+   ``LocalTransfer`` (cudaMemcpy on a GPU), for every staging mode pair
+   (direct/direct, host/host, host/direct) and decode plain or with a random EAGLE
+   head: greedy outputs equal the colocated engine's, and a second turn that hits
+   decode's prefix cache too;
+2. spec: chain (top-k 1) and tree EAGLE greedy outputs equal plain decoding on the
+   device, with their acceptance;
+3. transfer: KV bytes moved through the host staging path (stage out, copy between
+   twins, stage in) against a plain device -> host -> device copy of the same bytes,
+   in GB/s.
+
+Needs no Mooncake (the two-server 1P1D proof is separate). ``--smoke`` shrinks
+everything so the script itself is checked on a CPU; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.bench.gpu_check import Report
+
+
+def _prompts(n: int, seed: int, lo: int, hi: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 90) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def check_pd(rep: Report, entry: dict[str, Any], target: Path, draft: Path, device: torch.device, n: int) -> None:
+    from pdserve import Engine
+    from pdserve.disagg.local_pair import build_side, run_pair
+    from pdserve.scheduler.decode import DecodeScheduler
+    from pdserve.scheduler.prefill import PrefillScheduler
+
+    greedy = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    base = {"device": device.type, "max_total_tokens": 16384, "max_running_requests": 128}
+    turn1 = _prompts(n, 1, 16, 200)
+    engine = Engine(model_path=str(target), **base)
+    answers = [r["output_ids"] for r in engine.generate(input_ids=turn1, sampling_params=greedy)]
+    turn2 = [p + a + [7, 8, 9] for p, a in zip(turn1, answers)]
+    ref2 = [r["output_ids"] for r in engine.generate(input_ids=turn2, sampling_params=greedy)]
+    del engine
+    eagle = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft), speculative_num_steps=3,
+                 speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    cells = [("direct", "direct", False), ("host", "host", False), ("host", "direct", True),
+             ("direct", "direct", True)]
+    for p_mode, d_mode, spec in cells:
+        name = f"P {p_mode} / D {d_mode}{' EAGLE' if spec else ''}"
+        p = build_side(PrefillScheduler, target, {**base, "disaggregation_kv_staging": p_mode})
+        d = build_side(DecodeScheduler, target, {**base, "disaggregation_kv_staging": d_mode, **(eagle if spec else {})},
+                       fetch_ranks=lambda url, p=p: [p.manager.rank_info(1, "127.0.0.1")])
+        try:
+            t0 = time.perf_counter()
+            out1 = [r.output_ids for r in run_pair(p, d, turn1, greedy, timeout=300)]
+            out2 = [r.output_ids for r in run_pair(p, d, turn2, greedy, timeout=300)]
+            same1 = sum(a == b for a, b in zip(out1, answers))
+            same2 = sum(a == b for a, b in zip(out2, ref2))
+            entry[name] = {"turn1_equal": same1, "turn2_equal": same2, "requests": n,
+                           "decode_prefix_hit_tokens": d.prefix_hit_tokens,
+                           "seconds": round(time.perf_counter() - t0, 2)}
+            rep.say(f"{name}: greedy equal to colocated {same1}/{n}, second turn {same2}/{n} "
+                    f"(decode prefix hits {d.prefix_hit_tokens} tokens)")
+            if same1 != n or same2 != n:
+                raise AssertionError(f"{name}: outputs differ from the colocated engine's")
+        finally:
+            p.close()
+            d.close()
+
+
+def check_spec(rep: Report, entry: dict[str, Any], target: Path, draft: Path, device: torch.device, n: int) -> None:
+    from pdserve import Engine
+
+    greedy = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
+    prompts = _prompts(n, 2, 8, 120)
+    base = {"device": device.type, "max_total_tokens": 16384}
+    plain = [r["output_ids"] for r in Engine(model_path=str(target), **base).generate(
+        input_ids=prompts, sampling_params=greedy)]
+    for name, shape in (("chain", (4, 1, 5)), ("tree", (3, 2, 6))):
+        engine = Engine(model_path=str(target), **base, speculative_algorithm="EAGLE",
+                        speculative_draft_model_path=str(draft), speculative_num_steps=shape[0],
+                        speculative_eagle_topk=shape[1], speculative_num_draft_tokens=shape[2])
+        outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+        same = sum(o["output_ids"] == ref for o, ref in zip(outs, plain))
+        accept = engine._scheduler.spec.avg_accept_length
+        entry[name] = {"equal": same, "requests": n, "accept_length": round(accept, 3)}
+        rep.say(f"EAGLE {name} {shape}: greedy equal to plain {same}/{n}, accept length {accept:.2f}")
+        if same != n:
+            raise AssertionError(f"EAGLE {name}: outputs differ from plain decoding")
+
+
+def check_transfer(rep: Report, entry: dict[str, Any], device: torch.device, smoke: bool) -> None:
+    from pdserve.disagg.staging import HostStaging
+    from pdserve.disagg.transfer import LocalTransfer, coalesce
+
+    # Llama-3-8B-like KV per token: 32 layers x K/V x 8 heads x 128 x bf16 = 128 KiB.
+    layers, slots, width = (2, 4096, 256) if smoke else (32, 16384, 8 * 128)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    src = [torch.randn(slots, width, dtype=dtype, device=device) for _ in range(2 * layers)]
+    dst = [torch.zeros_like(t) for t in src]
+    out, into = HostStaging(), HostStaging()
+    src_twins = [out.twin(f"b{i}", t) for i, t in enumerate(src)]
+    dst_twins = [into.twin(f"b{i}", t) for i, t in enumerate(dst)]
+    moved = list(range(1, slots // 2))  # half the pool, contiguous: one write per buffer
+    engine = LocalTransfer()
+    row = width * src[0].element_size()
+    nbytes = len(moved) * row * len(src)
+
+    def staged() -> None:
+        out.stage_out(moved)
+        for s, d in zip(src_twins, dst_twins):
+            engine.write("local", coalesce([s.data_ptr() + i * row for i in moved],
+                                            [d.data_ptr() + i * row for i in moved], row))
+        into.stage_in(moved)
+
+    def plain() -> None:
+        for s, d in zip(src, dst):
+            d[1: slots // 2].copy_(s[1: slots // 2].to("cpu").to(device))
+
+    for name, fn in (("staged", staged), ("plain d2h2d", plain)):
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        gbps = nbytes / (time.perf_counter() - t0) / 1e9
+        entry[name] = round(gbps, 2)
+        rep.say(f"{name}: {nbytes / 2**20:,.0f} MiB at {gbps:,.2f} GB/s")
+    if not all(torch.equal(a[1: slots // 2], b[1: slots // 2]) for a, b in zip(src, dst)):
+        raise AssertionError("the staged copy did not deliver the bytes")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pdserve.testing import build_random_draft, build_random_model
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check_pd.json / .txt")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script itself)")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip (pd,spec,transfer)")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    skip = set(filter(None, args.skip.split(",")))
+    rep = Report(args.out, "gpu_check_pd")
+    rep.say(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch "
+            f"{torch.__version__}")
+    n = 4 if args.smoke else 64
+    with tempfile.TemporaryDirectory() as tmp:
+        size = dict(hidden_size=64, num_layers=2) if args.smoke else dict(hidden_size=512, num_layers=8)
+        target = build_random_model(Path(tmp, "t"), "llama", num_heads=8, num_kv_heads=2,
+                                    intermediate_size=4 * size["hidden_size"], **size)
+        draft = build_random_draft(target, Path(tmp, "e"), "EAGLE")
+        if "pd" not in skip:
+            with rep.section("pd") as entry:
+                check_pd(rep, entry, target, draft, device, n)
+        if "spec" not in skip:
+            with rep.section("spec") as entry:
+                check_spec(rep, entry, target, draft, device, n)
+        if "transfer" not in skip:
+            with rep.section("transfer") as entry:
+                check_transfer(rep, entry, device, args.smoke)
+    failed = [k for k, v in rep.results.items() if isinstance(v, dict) and v.get("ok") is False]
+    rep.say("all sections ok" if not failed else f"FAILED: {', '.join(failed)}")
+    rep.save()
+
+
+if __name__ == "__main__":
+    main()

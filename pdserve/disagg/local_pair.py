@@ -1,0 +1,60 @@
+"""A prefill and a decode scheduler in one process, wired through their transfer
+managers over ``LocalTransfer`` (real ZMQ control sockets, in-process copies of the
+KV): what the PD tests and the GPU check drive, without servers or Mooncake."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from pdserve.config import ServerArgs
+from pdserve.disagg.transfer import LocalTransfer
+from pdserve.model.parallel import TPGroup
+from pdserve.model.runner import ModelRunner
+from pdserve.requests import RequestBuilder
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.req import Req, samples_from_message
+from pdserve.tokenizer import load_tokenizer
+
+
+def build_side(cls: type, model_dir: str | Path, args: dict[str, Any], tokenizer_dir: str | Path | None = None,
+               **kw: Any) -> Any:
+    """A PrefillScheduler or DecodeScheduler (``cls``) on ``model_dir`` with ServerArgs
+    ``args`` and its own LocalTransfer; ``kw`` goes to the scheduler (a decode side's
+    ``fetch_ranks``)."""
+    server_args = ServerArgs(model_path=str(model_dir), **args)
+    runner = ModelRunner(server_args, Path(model_dir), TPGroup())
+    tok = load_tokenizer(tokenizer_dir or model_dir)
+    return cls(server_args, runner, lambda ids: tok.decode(ids, skip_special_tokens=False), LocalTransfer(), **kw)
+
+
+def run_pair(p: Any, d: Any, prompts: list[list[int]], sampling: dict[str, Any], timeout: float = 60.0) -> list[Req]:
+    """Send every prompt through the pair, each sample in its own room; the decode
+    side's samples once all ended (each exactly once) and prefill holds nothing more."""
+    builder = RequestBuilder(None, 1 << 20, 1 << 30, 64, 0)
+    params = SamplingParams.from_dict(sampling)
+    done: dict[tuple[str, int], Req] = {}
+    dec_reqs: list[Req] = []
+    for i, ids in enumerate(prompts):
+        gp = samples_from_message(builder.group(ids, params, False, 0, rid=f"p{i}"))
+        gd = samples_from_message(builder.group(ids, params, False, 0, rid=f"d{i}"))
+        for rp, rd in zip(gp, gd):  # one room per sample
+            room = random.getrandbits(62) + i
+            for r in (rp, rd):
+                r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, room
+        p.add(gp[0])
+        d.add(gd[0])
+        dec_reqs += gd
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p.step()
+        for r in d.step().finished:
+            assert (r.rid, r.sample_index) not in done, "a request ended twice"
+            done[(r.rid, r.sample_index)] = r
+        if len(done) == len(dec_reqs) and not p.has_work:
+            break
+        time.sleep(0.001)  # control messages travel on their own threads
+    assert len(done) == len(dec_reqs), "requests did not finish"
+    return [done[(r.rid, r.sample_index)] for r in dec_reqs]
