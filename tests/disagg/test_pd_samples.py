@@ -15,6 +15,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from pdserve.disagg import local_pair
 from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeScheduler
@@ -36,39 +37,11 @@ def drive(p, d, ps: list[list[int]], sampling: dict[str, Any], logprob_start_len
     """Send every prompt through the pair (one room per sample); ``hook`` runs after each
     prefill step. Returns decode's samples in prompt order once all ended (each exactly
     once) and prefill holds nothing more, and prefill's ended samples by (rid, sample)."""
-    builder = RequestBuilder(None, 4096, 10**6, 4, 0)
-    params = SamplingParams.from_dict(sampling)
-    done: dict[tuple[str, int], Req] = {}
     p_done: dict[tuple[str, int], Req] = {}
-    dec_reqs: list[Req] = []
-    for i, ids in enumerate(ps):
-        gp = samples_from_message(builder.group(ids, params, logprob_start_len >= 0, 0, rid=f"r{i}",
-                                                logprob_start_len=logprob_start_len))
-        gd = samples_from_message(builder.group(ids, params, logprob_start_len >= 0, 0, rid=f"r{i}",
-                                                logprob_start_len=logprob_start_len))
-        for rp, rd in zip(gp, gd):
-            room = random.getrandbits(62)
-            for r in (rp, rd):
-                r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, room
-        p.add(gp[0])
-        d.add(gd[0])
-        dec_reqs += gd
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for r in p.step().finished:
-            assert (r.rid, r.sample_index) not in p_done, "a prefill sample ended twice"
-            p_done[(r.rid, r.sample_index)] = r
-        if hook is not None:
-            hook()
-        for r in d.step().finished:
-            assert (r.rid, r.sample_index) not in done, "a request ended twice"
-            done[(r.rid, r.sample_index)] = r
-        if len(done) == len(dec_reqs) and not p.has_work:
-            break
-        time.sleep(0.001)  # control messages travel on their own threads
-    assert len(done) == len(dec_reqs), "requests did not finish"
-    assert len(p_done) == len(dec_reqs), "prefill did not report every sample"
-    return [done[(r.rid, r.sample_index)] for r in dec_reqs], p_done
+    out = local_pair.run_pair(p, d, ps, sampling, logprob_start_len=logprob_start_len, between=hook,
+                              prefill_done=p_done)
+    assert len(p_done) == len(out), "prefill did not report every sample"
+    return out, p_done
 
 
 def computed_once(p, ps: list[list[int]], n: int) -> int:
@@ -197,10 +170,7 @@ def test_client_abort_of_a_waiting_request_ends_every_sample_once(dirs):
     try:
         msg = builder.group(long_prompt(80), SamplingParams.from_dict({**SAMPLED, "n": 3}), False, 0, rid="x")
         gp, gd = samples_from_message(msg), samples_from_message(msg)
-        for rp, rd in zip(gp, gd):
-            room = random.getrandbits(62)
-            for r in (rp, rd):
-                r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, room
+        local_pair.give_rooms(gp, gd)
         p.add(gp[0])
         d.add(gd[0])
         deadline = time.monotonic() + 30
