@@ -6,13 +6,7 @@
 # Prints every result and, when $OUT is set, writes gpu_check.json / gpu_check.txt there.
 # Extra arguments go to `python -m pdserve.bench.gpu_check` (e.g. --skip speed).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python -m pip install -q --no-deps --target /tmp/pdserve-wheels .whl/*.whl
-  export PYTHONPATH="/tmp/pdserve-wheels:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+source "$(dirname "$0")/gpu_env.sh"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 # 8 minutes at most, so a rerun fits in the session's device time.
 timeout 480 python -m pdserve.bench.gpu_check ${OUT:+--out "$OUT"} "$@"

@@ -6,12 +6,6 @@
 # $OUT is set, writes gpu_check_pd.json / gpu_check_pd.txt there.
 # Extra arguments go to `python -m pdserve.bench.gpu_check_pd` (e.g. --skip transfer).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python -m pip install -q --no-deps --target /tmp/pdserve-wheels .whl/*.whl
-  export PYTHONPATH="/tmp/pdserve-wheels:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+source "$(dirname "$0")/gpu_env.sh"
 # 6 minutes at most, so a rerun fits in the session's device time.
 timeout 360 python -m pdserve.bench.gpu_check_pd ${OUT:+--out "$OUT"} "$@"

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from pdserve.assets import path as asset_path
     from pdserve.model.model_config import ModelConfig
-    from pdserve.scheduler.grammar import GrammarBackend, GrammarState
+    from pdserve.scheduler.grammar import GrammarBackend, GrammarState, new_bitmask
     from pdserve.tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     schemas = list({json.dumps(object_schema(rng)) for _ in range(args.num_schemas)})
     compile_ms, fill_ms = [], []
-    bits = backend.new_bitmask(1)
+    bits = new_bitmask(1, vocab)
     for text in schemas:
         t0 = time.perf_counter()
         future = backend.compile("json_schema", text)

@@ -20,21 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import threading
-from typing import Any
 
 import httpx
 
 from pdserve.bench import serving
-from pdserve.up import Deployment
+from pdserve.up import Deployment, free_port
 from pdserve.up import parse_args as up_args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def counters(url: str) -> dict[str, float]:
@@ -72,7 +64,7 @@ async def _n_samples(base_url: str, prompts: list[list[int]], n: int, output_len
 
 
 def run_setting(name: str, a: argparse.Namespace, extra: list[str]) -> list[str]:
-    port = _free_port()
+    port = free_port("127.0.0.1")
     flags = ["--port", str(port), "--log-level", "warning", *extra]
     if a.model_path:
         flags += ["--model-path", a.model_path]

@@ -31,7 +31,14 @@ class Policy(Protocol):
         ...
 
 
-class RoundRobin:
+class _Stateless:
+    """A policy that keeps nothing per worker: removing one changes nothing."""
+
+    def remove_worker(self, url: str) -> None:
+        return None
+
+
+class RoundRobin(_Stateless):
     name = "round_robin"
 
     def __init__(self) -> None:
@@ -40,11 +47,8 @@ class RoundRobin:
     def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
         return candidates[next(self._counter) % len(candidates)]
 
-    def remove_worker(self, url: str) -> None:
-        pass  # stateless about workers
 
-
-class RandomPolicy:
+class RandomPolicy(_Stateless):
     name = "random"
 
     def __init__(self, rng: random.Random | None = None) -> None:
@@ -53,11 +57,8 @@ class RandomPolicy:
     def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
         return self._rng.choice(candidates)
 
-    def remove_worker(self, url: str) -> None:
-        pass  # stateless about workers
 
-
-class PowerOfTwo:
+class PowerOfTwo(_Stateless):
     """The less loaded of two distinct random candidates: near least-loaded balance
     without every router decision herding onto the same momentarily idle worker."""
     name = "power_of_two"
@@ -70,9 +71,6 @@ class PowerOfTwo:
             return candidates[0]
         a, b = self._rng.sample(list(candidates), 2)
         return b if b.in_flight < a.in_flight else a
-
-    def remove_worker(self, url: str) -> None:
-        pass  # stateless about workers
 
 
 class CacheAware:

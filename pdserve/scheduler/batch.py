@@ -14,6 +14,7 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ForwardInput
 from pdserve.model.sampler import (Penalties, PenaltyRows, SamplingInfo, make_sampling_info, row_key,
                                    sample)
+from pdserve.scheduler.grammar import new_bitmask
 from pdserve.scheduler.req import Req
 
 
@@ -145,7 +146,7 @@ class Sampler:
             if base is None or base.grammar is None:
                 continue
             if bits is None:
-                bits = torch.full((len(reqs), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+                bits = new_bitmask(len(reqs), self.vocab_size)
             base.grammar.fill(bits, i, base.output_ids, path)
         return None if bits is None else device_io.upload_tensor(bits, self.device)
 

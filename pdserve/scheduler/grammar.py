@@ -20,6 +20,7 @@ them on the device.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -64,10 +65,14 @@ def _parse(kind: str, text: str) -> Any:
 def check_constraint(params: SamplingParams) -> None:
     """Raise ValueError naming the field with the grammar compiler's message when the
     request's schema / regex / grammar is invalid (the HTTP layer makes it a 400)."""
-    constraint = params.constraint
-    if constraint is None:
-        return
-    kind, text = constraint
+    if params.constraint is not None:
+        _check(*params.constraint)
+
+
+@functools.lru_cache(maxsize=CACHE_ENTRIES)
+def _check(kind: str, text: str) -> None:
+    """Parse once per distinct grammar (clients resend the same schema; an invalid one
+    raises, and exceptions are not cached)."""
     if kind == "json_schema":
         try:
             json.loads(text)
@@ -78,6 +83,11 @@ def check_constraint(params: SamplingParams) -> None:
     except (RuntimeError, ValueError) as exc:
         message = _CPP_PREFIX.sub("", str(exc)).strip().splitlines()[0]
         raise ValueError(f"{kind}: invalid {kind.replace('_', ' ')}: {message}") from None
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(V / 32)] int32 packed token masks (xgrammar's layout), every token allowed."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 class GrammarBackend:
@@ -118,10 +128,6 @@ class GrammarBackend:
     def state(self, params: SamplingParams) -> "GrammarState | None":
         constraint = params.constraint
         return GrammarState(self.compile(*constraint)) if constraint is not None else None
-
-    def new_bitmask(self, rows: int) -> torch.Tensor:
-        """[rows, ceil(V / 32)] int32, every token allowed."""
-        return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

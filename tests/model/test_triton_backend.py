@@ -202,66 +202,56 @@ def forbid_host_reads() -> Iterator[list[str]]:
         device_io.fetch = real_fetch
 
 
-@pytest.mark.parametrize("backend", ["torch_native", "triton"])
-def test_decode_step_reads_only_the_sampled_tokens(backend, make_engine, llama_dir):
+def count_reads_of_steady_steps(engine: Any, params: list[dict[str, Any]], steps: int) -> list[int]:
+    """Run a mixed batch (one request per ``params``) to its steady decode, then count
+    the device reads of each of ``steps`` steps (any read but ``fetch`` raises); the
+    requests are aborted afterwards."""
     from pdserve.scheduler.req import samples_from_message
 
-    # torch_native's CPU decode mirror is a CPU-only path (it reads lengths back).
-    engine = make_engine(llama_dir, attention_backend=backend, disable_decode_kv_mirror=True,
-                         max_total_tokens=4096, page_size=4)
     sched = engine._scheduler
-    params = [dict(GREEDY, max_new_tokens=40),
-              dict(temperature=0.8, top_p=0.9, top_k=20, seed=5, max_new_tokens=40, ignore_eos=True),
-              dict(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2, min_new_tokens=30,
-                   max_new_tokens=40)]
     b = engine.builder
-    messages = b.build(list(PROMPTS), b.sampling_params(params, 3), True, 3)
+    messages = b.build(list(PROMPTS), b.sampling_params(params, len(params)), True, 3)
     for msg in messages:
         sched.add(samples_from_message(msg)[0])
     while sched.waiting or sched.chunked is not None:
         sched.step()
-    assert len(sched.running) == 3
-    checked = 0
-    for _ in range(6):  # page size 4: some steps take a new page
+    assert len(sched.running) == len(params)
+    counts = []
+    for _ in range(steps):
         with forbid_host_reads() as fetched:
             out = sched.step()
-        assert len(out.advanced) == 3 and not out.finished
-        assert len(fetched) == 1, fetched
-        checked += 1
-    assert checked == 6
+        assert len(out.advanced) == len(params) and not out.finished
+        counts.append(len(fetched))
     for msg in messages:
         sched.abort(msg.rid)
     sched.step()
+    return counts
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_decode_step_reads_only_the_sampled_tokens(backend, make_engine, llama_dir):
+    # torch_native's CPU decode mirror is a CPU-only path (it reads lengths back).
+    engine = make_engine(llama_dir, attention_backend=backend, disable_decode_kv_mirror=True,
+                         max_total_tokens=4096, page_size=4)
+    params = [dict(GREEDY, max_new_tokens=40),
+              dict(temperature=0.8, top_p=0.9, top_k=20, seed=5, max_new_tokens=40, ignore_eos=True),
+              dict(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2, min_new_tokens=30,
+                   max_new_tokens=40)]
+    # page size 4: some steps take a new page
+    assert count_reads_of_steady_steps(engine, params, 6) == [1] * 6
 
 
 @pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
 def test_speculative_round_reads_the_tree_and_the_draws_only(algo, make_engine, tmp_path):
     """An EAGLE round (draft steps, verify, accept, compaction, page trimming, draft
     extend) reads the device twice: the tree, then the packed draws. No per-request read."""
-    from pdserve.scheduler.req import samples_from_message
-
     target = build_random_model(tmp_path / "t", "llama", num_layers=2)
     draft = build_random_draft(target, tmp_path / "d", algo)
     engine = make_engine(target, disable_decode_kv_mirror=True, max_total_tokens=4096, page_size=4,
                          speculative_algorithm=algo, speculative_draft_model_path=str(draft),
                          speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
-    sched = engine._scheduler
     params = [dict(GREEDY, max_new_tokens=60),
               dict(temperature=0.8, top_p=0.9, top_k=20, seed=5, max_new_tokens=60, ignore_eos=True),
               dict(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2, max_new_tokens=60,
                    ignore_eos=True)]
-    b = engine.builder
-    messages = b.build(list(PROMPTS), b.sampling_params(params, 3), True, 3)
-    for msg in messages:
-        sched.add(samples_from_message(msg)[0])
-    while sched.waiting or sched.chunked is not None:
-        sched.step()
-    assert len(sched.running) == 3
-    for _ in range(4):
-        with forbid_host_reads() as fetched:
-            out = sched.step()
-        assert len(out.advanced) == 3 and not out.finished
-        assert len(fetched) == 2, fetched
-    for msg in messages:
-        sched.abort(msg.rid)
-    sched.step()
+    assert count_reads_of_steady_steps(engine, params, 4) == [2] * 4
