@@ -12,8 +12,8 @@ import torch
 from pdserve.model import device_io
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ForwardInput
-from pdserve.model.sampler import (Penalties, PenaltyRows, SamplingInfo, make_sampling_info, row_key,
-                                   sample)
+from pdserve.model.sampler import (Penalties, PenaltyRows, SampleOutput, SamplingInfo, make_sampling_info,
+                                   row_key, sample)
 from pdserve.scheduler.grammar import new_bitmask
 from pdserve.scheduler.req import Req
 
@@ -108,6 +108,40 @@ class Sampler:
             cols += [result.top_logprobs, result.top_ids]
         host = device_io.fetch(torch.cat([c.double() for c in cols], dim=1))
         return Draws.unpack(host, result.logprobs is not None, top_k if result.top_logprobs is not None else 0)
+
+    def tree_drawable(self, reqs: Sequence[Req]) -> bool:
+        """Whether ``draw_tree`` serves these requests: each tree node's draw then depends
+        only on the request and the node's depth (no penalties over the path's tokens,
+        no grammar state along it, no min-token ban that a depth could cross)."""
+        return all(r.grammar is None and not r.params.needs_penalties
+                   and r.num_output_tokens >= r.params.min_new_tokens for r in reqs)
+
+    def draw_tree(self, logits: torch.Tensor, reqs: Sequence[Req], depths: torch.Tensor) -> SampleOutput:
+        """Draw every node of a speculative tree on the device: logits row ``b * N + j`` is
+        request ``b``'s node ``j`` at depth ``depths[b, j]``, drawn exactly as plain
+        decoding draws output position ``len(output) + depth`` (same parameters, same
+        seeded noise). Nothing is read back; rank 0's ids are broadcast. Only for
+        requests ``tree_drawable`` accepts."""
+        nodes = depths.shape[1]
+        ps = [r.params for r in reqs]
+
+        def per_node(values: list) -> list:
+            return [v for v in values for _ in range(nodes)]
+        info = make_sampling_info(per_node([p.temperature for p in ps]), per_node([p.top_p for p in ps]),
+                                  per_node([p.top_k for p in ps]), per_node([p.min_p for p in ps]),
+                                  [0] * (len(reqs) * nodes), self.vocab_size, self.device)
+        # The draw keys (seed, output position) from two per-request columns and the depths.
+        seeds, starts = device_io.upload_rows([[r.seed for r in reqs], [r.num_output_tokens for r in reqs]],
+                                              torch.int64, self.device)
+        info.keys = row_key(seeds.repeat_interleave(nodes), starts.repeat_interleave(nodes) + depths.reshape(-1))
+        if self.book is not None:
+            self.book.release_finished()
+            if not self.book.held:
+                self.book = None
+        result = sample(logits, info, any(r.return_logprob for r in reqs),
+                        max((r.top_logprobs_num for r in reqs), default=0))
+        result.next_ids = self.tp.broadcast(result.next_ids)
+        return result
 
     def sampling_info(self, reqs: Sequence[Drawable]) -> SamplingInfo:
         """The sampler's inputs for ``reqs`` from their Python values: O(rows) scalar work

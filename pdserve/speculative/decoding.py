@@ -12,12 +12,34 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.model import device_io
-from pdserve.scheduler.batch import ScheduledBatch, StepOutput
+from pdserve.scheduler.batch import Draws, ScheduledBatch, StepOutput
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.speculative.eagle_worker import EagleWorker
 
 if TYPE_CHECKING:
     from pdserve.scheduler.scheduler import Scheduler
+
+
+def accept_on_device(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, drawn: torch.Tensor,
+                     max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accepted paths of a batch of trees ([B, N] each), without leaving the device:
+    from the root, descend while the token drawn at the current node is one of its
+    children (the lowest-index such child, as ``EagleWorker.accept_path``). Returns
+    the path's nodes [B, max_depth + 1] (its last node repeated past its end) and
+    its length [B] (the root included)."""
+    b = tokens.shape[0]
+    # Node j is a candidate when its token is what its parent drew.
+    drew_me = drawn.gather(1, parents.clamp(min=0)) == tokens
+    current = torch.zeros(b, dtype=torch.int64, device=tokens.device)
+    lengths = torch.ones(b, dtype=torch.int64, device=tokens.device)
+    path = [current]
+    for depth in range(1, max_depth + 1):
+        child = drew_me & (depths == depth) & (parents == current.unsqueeze(1))
+        found = child.any(dim=1)
+        current = torch.where(found, child.to(torch.uint8).argmax(dim=1), current)  # argmax: the first
+        lengths += found
+        path.append(current)
+    return torch.stack(path, dim=1), lengths
 
 
 def path_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
@@ -59,6 +81,8 @@ class EagleDecoding:
         self.sched = sched
         self.spec = spec
         self.room = spec.room  # positions past kv_len one round uses: the tree and the draft scratch
+        # The deepest node a tree can have (and the longest accepted path, minus the root).
+        self.max_depth = min(spec.steps, spec.num_draft_tokens - 1)
 
     def plan(self, out: StepOutput) -> ScheduledBatch | None:
         sched, spec = self.sched, self.spec
@@ -72,32 +96,31 @@ class EagleDecoding:
 
     def process(self, batch: ScheduledBatch, logits: torch.Tensor, out: StepOutput) -> None:
         sched, spec = self.sched, self.spec
-        reqs, nodes = batch.reqs, spec.num_draft_tokens
-        # The round's first read: the tree the draws are keyed to (the draws are the second).
-        tokens, parents = device_io.fetch(torch.stack([batch.tree.tokens, batch.tree.parents]))
-        # Every node draws the token plain decoding would draw at its output
-        # position (same penalties, same seeded noise), so the walk below emits
-        # exactly the non-speculative output.
-        views = [DrawView(r, path_tokens(tokens[b], parents[b], j)) for b, r in enumerate(reqs)
-                 for j in range(nodes)]
-        draws = sched.sampler.draw(logits, views, reqs)
+        reqs = batch.reqs
+        starts = [r.kv_len for r in reqs]  # each request's kv_len before the round
+        # Every node draws the token plain decoding would draw at its output position
+        # (same parameters, same seeded noise), and the walk emits the nodes whose
+        # tokens their parents drew: exactly the non-speculative output.
+        if sched.sampler.tree_drawable(reqs):
+            paths, draws = self._accept_on_device(batch, logits, starts)
+            compacted = True
+        else:
+            paths, draws = self._accept_by_views(batch, logits)
+            compacted = False
         moves: list[tuple[int, int, int]] = []
         ended: list[tuple[Req, FinishReason]] = []
-        starts: list[int] = []  # each request's kv_len before the round
-        for b, req in enumerate(reqs):
-            base, n = b * nodes, req.kv_len
-            starts.append(n)
-            path = spec.accept_path(tokens[b], parents[b], draws.ids[base: base + nodes])
+        for req, n, (path, rows) in zip(reqs, starts, paths):
             reason = None
             emitted = 0
-            for node in path:
-                draws.append_to(req, base + node)
+            for row in rows:
+                draws.append_to(req, row)
                 emitted += 1
                 reason = sched.stop_reason(req)
                 if reason is not None:
                     break
             # Position n + j now holds the input of the j-th emitted token: node path[j].
-            moves += [(req.row, n + j, n + path[j]) for j in range(1, emitted) if path[j] != j]
+            if not compacted:
+                moves += [(req.row, n + j, n + path[j]) for j in range(1, emitted) if path[j] != j]
             req.kv_len = n + emitted
             req.spec_verify_ct += 1
             req.spec_accepted_drafts += min(emitted, len(path) - 1)
@@ -106,16 +129,81 @@ class EagleDecoding:
             out.advanced.append(req)
             if reason is not None:
                 ended.append((req, reason))
-        # One batched compaction, then the round's pages past each kept length go back
-        # (page ids from the host: no device read), then finished requests release
-        # (their compacted KV into the prefix cache).
+        # One batched compaction (done on the device already on the batched path), then
+        # the round's pages past each kept length go back (page ids from the host: no
+        # device read), then finished requests release (their compacted KV into the
+        # prefix cache).
         sched.kv.move_positions(moves)
-        for b, req in enumerate(reqs):
-            sched.kv.trim(req, starts[b], batch.round_pages[b])
+        for req, n, pages in zip(reqs, starts, batch.round_pages):
+            sched.kv.trim(req, n, pages)
         for req, reason in ended:
             sched.running.remove(req)
             out.finished += sched.finish(req, reason)
         spec.catch_up([r for r in reqs if r.row is not None])
+
+    def _accept_on_device(self, batch: ScheduledBatch, logits: torch.Tensor, starts: list[int]
+                          ) -> tuple[list[tuple[list[int], list[int]]], Draws]:
+        """Draw every node, walk the accepted paths and compact their KV on the device,
+        then read the paths' draws back in the round's one device read."""
+        sched, tree = self.sched, batch.tree
+        reqs, nodes = batch.reqs, self.spec.num_draft_tokens
+        b = len(reqs)
+        result = sched.sampler.draw_tree(logits, reqs, tree.depths)
+        drawn = result.next_ids.view(b, nodes)
+        path, lengths = accept_on_device(tree.tokens, tree.parents, tree.depths, drawn, self.max_depth)
+        self._compact(reqs, starts, path, lengths)
+        width = path.shape[1]
+        flat = (path + torch.arange(b, device=path.device).unsqueeze(1) * nodes).reshape(-1)
+        cols = [result.next_ids[flat].unsqueeze(1)]
+        if result.logprobs is not None:
+            cols.append(result.logprobs[flat].unsqueeze(1))
+        top_k = 0
+        if result.top_logprobs is not None and result.top_ids is not None:
+            cols += [result.top_logprobs[flat], result.top_ids[flat]]
+            top_k = result.top_logprobs.shape[1]
+        cols += [path.reshape(-1, 1), lengths.repeat_interleave(width).unsqueeze(1)]
+        host = device_io.fetch(torch.cat([c.double() for c in cols], dim=1))
+        draws = Draws.unpack([r[:-2] for r in host], result.logprobs is not None, top_k)
+        paths = []
+        for i in range(b):
+            length = int(host[i * width][-1])
+            paths.append(([int(r[-2]) for r in host[i * width: i * width + length]],
+                          list(range(i * width, i * width + length))))
+        return paths, draws
+
+    def _compact(self, reqs: list[Req], starts: list[int], path: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Position n + j of each request takes the KV (and target feature) of its path's
+        j-th node, as one copy of a fixed B x depth slots (no read of how many moved:
+        slots off the path copy onto themselves; positions a stop cuts off later are
+        trimmed or rewritten)."""
+        kv = self.sched.kv
+        depth = path.shape[1] - 1
+        if depth == 0:
+            return
+        rows, n = device_io.upload_rows([[r.row for r in reqs], starts], torch.int64, kv.device)
+        j = torch.arange(1, depth + 1, device=path.device).unsqueeze(0)
+        on_path = j < lengths.unsqueeze(1)
+        dst = n.unsqueeze(1) + j
+        src = torch.where(on_path, n.unsqueeze(1) + path[:, 1:], dst)
+        table = kv.req_table.table
+        kv.copy_slots(table[rows.unsqueeze(1), dst].reshape(-1), table[rows.unsqueeze(1), src].reshape(-1))
+
+    def _accept_by_views(self, batch: ScheduledBatch, logits: torch.Tensor
+                         ) -> tuple[list[tuple[list[int], list[int]]], Draws]:
+        """Requests whose draws depend on the path's tokens (penalties, a grammar, a
+        min-token ban): each node is drawn from a view of its request with the path
+        emitted. Two device reads: the tree, then the draws."""
+        sched, spec = self.sched, self.spec
+        reqs, nodes = batch.reqs, spec.num_draft_tokens
+        tokens, parents = device_io.fetch(torch.stack([batch.tree.tokens, batch.tree.parents]))
+        views = [DrawView(r, path_tokens(tokens[b], parents[b], j)) for b, r in enumerate(reqs)
+                 for j in range(nodes)]
+        draws = sched.sampler.draw(logits, views, reqs)
+        paths = []
+        for b in range(len(reqs)):
+            path = spec.accept_path(tokens[b], parents[b], draws.ids[b * nodes: (b + 1) * nodes])
+            paths.append((path, [b * nodes + node for node in path]))
+        return paths, draws
 
     def prefilled(self, reqs: list[Req]) -> None:
         """Draft KV for what a prefill added; the next token is known now."""
