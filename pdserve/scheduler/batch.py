@@ -110,38 +110,80 @@ class Sampler:
         return Draws.unpack(host, result.logprobs is not None, top_k if result.top_logprobs is not None else 0)
 
     def tree_drawable(self, reqs: Sequence[Req]) -> bool:
-        """Whether ``draw_tree`` serves these requests: each tree node's draw then depends
-        only on the request and the node's depth (no penalties over the path's tokens,
-        no grammar state along it, no min-token ban that a depth could cross)."""
-        return all(r.grammar is None and not r.params.needs_penalties
-                   and r.num_output_tokens >= r.params.min_new_tokens for r in reqs)
+        """Whether ``draw_tree`` serves these requests: no grammar (its state along a
+        path lives in a host matcher)."""
+        return all(r.grammar is None for r in reqs)
 
-    def draw_tree(self, logits: torch.Tensor, reqs: Sequence[Req], depths: torch.Tensor) -> SampleOutput:
+    def draw_tree(self, logits: torch.Tensor, reqs: Sequence[Req], tree_tokens: torch.Tensor,
+                  ancestors: torch.Tensor, depths: torch.Tensor) -> SampleOutput:
         """Draw every node of a speculative tree on the device: logits row ``b * N + j`` is
-        request ``b``'s node ``j`` at depth ``depths[b, j]``, drawn exactly as plain
-        decoding draws output position ``len(output) + depth`` (same parameters, same
-        seeded noise). Nothing is read back; rank 0's ids are broadcast. Only for
-        requests ``tree_drawable`` accepts."""
-        nodes = depths.shape[1]
+        request ``b``'s node ``j`` ([B, N] ``tree_tokens`` and ``depths``; ``ancestors``
+        [B, N, N] marks each node's ancestors and itself), drawn exactly as plain
+        decoding draws output position ``len(output) + depth`` after emitting the
+        node's path: same parameters and seeded noise, penalties counting the path's
+        tokens, min-token bans by position. Nothing is read back; rank 0's ids are
+        broadcast. Only for requests ``tree_drawable`` accepts."""
+        b, nodes = depths.shape
         ps = [r.params for r in reqs]
 
         def per_node(values: list) -> list:
             return [v for v in values for _ in range(nodes)]
         info = make_sampling_info(per_node([p.temperature for p in ps]), per_node([p.top_p for p in ps]),
                                   per_node([p.top_k for p in ps]), per_node([p.min_p for p in ps]),
-                                  [0] * (len(reqs) * nodes), self.vocab_size, self.device)
-        # The draw keys (seed, output position) from two per-request columns and the depths.
-        seeds, starts = device_io.upload_rows([[r.seed for r in reqs], [r.num_output_tokens for r in reqs]],
-                                              torch.int64, self.device)
-        info.keys = row_key(seeds.repeat_interleave(nodes), starts.repeat_interleave(nodes) + depths.reshape(-1))
-        if self.book is not None:
+                                  [0] * (b * nodes), self.vocab_size, self.device)
+        seeds, starts, min_new = device_io.upload_rows(
+            [[r.seed for r in reqs], [r.num_output_tokens for r in reqs], [p.min_new_tokens for p in ps]],
+            torch.int64, self.device)
+        positions = starts.unsqueeze(1) + depths  # [B, N] the output position each node draws
+        info.keys = row_key(seeds.repeat_interleave(nodes), positions.reshape(-1))
+        if any(p.needs_penalties for p in ps):
+            info.penalties = self._tree_penalties(reqs, tree_tokens, ancestors)
+        elif self.book is not None:
             self.book.release_finished()
             if not self.book.held:
                 self.book = None
+        if any(r.num_output_tokens < p.min_new_tokens for r, p in zip(reqs, ps)):
+            before_min = (positions < min_new.unsqueeze(1)).reshape(-1, 1)
+            info.banned = self.stop_bans(reqs).repeat_interleave(nodes, dim=0) & before_min
         result = sample(logits, info, any(r.return_logprob for r in reqs),
                         max((r.top_logprobs_num for r in reqs), default=0))
         result.next_ids = self.tp.broadcast(result.next_ids)
         return result
+
+    def _tree_penalties(self, reqs: Sequence[Req], tree_tokens: torch.Tensor, ancestors: torch.Tensor
+                        ) -> Penalties:
+        """Each request's penalty state (its committed output) repeated per node, plus
+        the tokens of the node's path below the root (the root is the last committed
+        token), counted on the device."""
+        base = self.penalties(reqs)
+        b, nodes = tree_tokens.shape
+        v = self.vocab_size
+        committed = base.output_counts.repeat_interleave(nodes, dim=0)
+        counts = committed.clone()
+        # Node j's path holds node a (a >= 1) where ancestors[b, j, a]: count tokens[b, a] in row b * N + j.
+        row = torch.arange(b * nodes, device=counts.device).view(b, nodes, 1)
+        flat = (row * v + tree_tokens.unsqueeze(1))[:, :, 1:].reshape(-1)
+        on_path = ancestors[:, :, 1:].reshape(-1)
+        counts.view(-1).index_add_(0, flat, on_path.to(counts.dtype))
+        seen = base.seen.repeat_interleave(nodes, dim=0) | (counts > committed)
+        return Penalties(repetition=base.repetition.repeat_interleave(nodes, dim=0),
+                         frequency=base.frequency.repeat_interleave(nodes, dim=0),
+                         presence=base.presence.repeat_interleave(nodes, dim=0), output_counts=counts, seen=seen)
+
+    def stop_bans(self, reqs: Sequence[Drawable]) -> torch.Tensor:
+        """[R, V] bool: the stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``)
+        of every row still short of its ``min_new_tokens``."""
+        vocab_size, device = self.vocab_size, self.device
+        banned = []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if r.num_output_tokens < p.min_new_tokens:
+                ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(self.eos_ids)
+                banned += [i * vocab_size + t for t in ids if t < vocab_size]
+        flat = torch.zeros(len(reqs) * vocab_size, dtype=torch.bool, device=device)
+        if banned:
+            flat.index_fill_(0, device_io.upload(banned, torch.int64, device), True)
+        return flat.view(len(reqs), vocab_size)
 
     def sampling_info(self, reqs: Sequence[Drawable]) -> SamplingInfo:
         """The sampler's inputs for ``reqs`` from their Python values: O(rows) scalar work
@@ -158,16 +200,8 @@ class Sampler:
             self.book.release_finished()
             if not self.book.held:
                 self.book = None
-        banned = []
-        for i, r in enumerate(reqs):
-            p = r.params
-            if r.num_output_tokens < p.min_new_tokens:
-                ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(self.eos_ids)
-                banned += [i * vocab_size + t for t in ids if t < vocab_size]
-        if banned:
-            flat = torch.zeros(len(reqs) * vocab_size, dtype=torch.bool, device=device)
-            flat.index_fill_(0, device_io.upload(banned, torch.int64, device), True)
-            info.banned = flat.view(len(reqs), vocab_size)
+        if any(r.num_output_tokens < r.params.min_new_tokens for r in reqs):
+            info.banned = self.stop_bans(reqs)
         info.allowed = self.grammar_masks(reqs)
         return info
 

@@ -148,7 +148,7 @@ class EagleDecoding:
         sched, tree = self.sched, batch.tree
         reqs, nodes = batch.reqs, self.spec.num_draft_tokens
         b = len(reqs)
-        result = sched.sampler.draw_tree(logits, reqs, tree.depths)
+        result = sched.sampler.draw_tree(logits, reqs, tree.tokens, tree.masks, tree.depths)
         drawn = result.next_ids.view(b, nodes)
         path, lengths = accept_on_device(tree.tokens, tree.parents, tree.depths, drawn, self.max_depth)
         self._compact(reqs, starts, path, lengths)
@@ -190,9 +190,9 @@ class EagleDecoding:
 
     def _accept_by_views(self, batch: ScheduledBatch, logits: torch.Tensor
                          ) -> tuple[list[tuple[list[int], list[int]]], Draws]:
-        """Requests whose draws depend on the path's tokens (penalties, a grammar, a
-        min-token ban): each node is drawn from a view of its request with the path
-        emitted. Two device reads: the tree, then the draws."""
+        """Constrained requests (their grammar's state along a path lives in a host
+        matcher): each node is drawn from a view of its request with the path emitted.
+        Two device reads: the tree, then the draws."""
         sched, spec = self.sched, self.spec
         reqs, nodes = batch.reqs, spec.num_draft_tokens
         tokens, parents = device_io.fetch(torch.stack([batch.tree.tokens, batch.tree.parents]))

@@ -242,12 +242,13 @@ def test_decode_step_reads_only_the_sampled_tokens(backend, make_engine, llama_d
 
 
 @pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
-@pytest.mark.parametrize("penalties", [False, True], ids=["batched", "views"])
-def test_speculative_round_reads(algo, penalties, make_engine, tmp_path):
-    """An EAGLE round (draft steps, verify, accept, compaction, page trimming, draft
-    extend) reads the device once: the accepted paths' draws. A batch with a
-    penalised request (its draws depend on the path's tokens) reads twice: the tree,
-    then the packed draws. No per-request read either way."""
+@pytest.mark.parametrize("grammar", [False, True], ids=["batched", "views"])
+def test_speculative_round_reads(algo, grammar, make_engine, tmp_path):
+    """An EAGLE round (draft steps, verify, draws with penalties and min-token bans,
+    accept, compaction, page trimming, draft extend) reads the device once: the
+    accepted paths' draws. A batch with a constrained request (its grammar's state
+    along a path is a host matcher's) reads twice: the tree, then the packed draws.
+    No per-request read either way."""
     target = build_random_model(tmp_path / "t", "llama", num_layers=2)
     draft = build_random_draft(target, tmp_path / "d", algo)
     engine = make_engine(target, disable_decode_kv_mirror=True, max_total_tokens=4096, page_size=4,
@@ -255,7 +256,8 @@ def test_speculative_round_reads(algo, penalties, make_engine, tmp_path):
                          speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
     params = [dict(GREEDY, max_new_tokens=60),
               dict(temperature=0.8, top_p=0.9, top_k=20, seed=5, max_new_tokens=60, ignore_eos=True),
-              dict(temperature=1.0, min_p=0.05, seed=9, max_new_tokens=60, ignore_eos=True)]
-    if penalties:
-        params[2].update(frequency_penalty=0.5, repetition_penalty=1.2)
-    assert count_reads_of_steady_steps(engine, params, 4) == [2 if penalties else 1] * 4
+              dict(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2, min_new_tokens=50, seed=9,
+                   max_new_tokens=60)]
+    if grammar:
+        params[1].update(regex="[a-z ]{200}")
+    assert count_reads_of_steady_steps(engine, params, 4) == [2 if grammar else 1] * 4

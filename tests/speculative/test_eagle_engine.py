@@ -137,16 +137,19 @@ def test_retraction_n_samples_logprobs_and_stops(make_engine, target, drafts):
 @pytest.mark.parametrize("algo,shape", [("EAGLE", (3, 1, 4)), ("EAGLE3", (5, 4, 8)), ("EAGLE", (6, 2, 10))],
                          ids=["EAGLE-chain", "EAGLE3-S5k4N8", "EAGLE-S6k2N10"])
 def test_batched_round_equals_the_per_view_round(make_engine, target, drafts, algo, shape, monkeypatch):
-    """The batched round (draws, accept walk and KV compaction on the device, one read)
-    gives the same tokens, logprobs, finish reasons and accept counts as the per-node
-    view round it replaces for requests without penalties or grammars."""
+    """The batched round (draws with penalties and min-token bans, accept walk and KV
+    compaction on the device, one read) gives the same tokens, logprobs, finish
+    reasons and accept counts as the per-node view round it replaces for every
+    request without a grammar."""
     from pdserve.scheduler.batch import Sampler
 
     ps = prompts(5, 5, 50, seed=31)
     cases = [dict(GREEDY, max_new_tokens=30),
              {"temperature": 0.9, "top_p": 0.8, "top_k": 12, "min_p": 0.02, "seed": 3, "max_new_tokens": 25,
               "ignore_eos": True, "n": 2},
-             {"temperature": 0, "max_new_tokens": 40, "stop_token_ids": [7, 11, 19]}]
+             {"temperature": 0, "max_new_tokens": 40, "stop_token_ids": [7, 11, 19]},
+             {"temperature": 1.0, "seed": 8, "max_new_tokens": 30, "frequency_penalty": 0.6,
+              "presence_penalty": 0.3, "repetition_penalty": 1.3, "min_new_tokens": 12, "stop_token_ids": [5, 9]}]
 
     def run(batched: bool) -> list[Any]:
         monkeypatch.setattr(Sampler, "tree_drawable", lambda self, reqs: batched)
