@@ -9,12 +9,27 @@ The rows arrive as a ``RowLayout``: device tensors for the kernels and the same
 numbers on the host, so planning a forward never reads the device (shapes and
 loop bounds come from the host copy; on CUDA a read would stall the step).
 
-Two shapes of work:
+Shapes of work:
 - decode (one new token per row): one batched SDPA over KV gathered into
   [B, Hkv, Lk, D], padded and masked to each row's length;
-- extend (prefill chunks, later tree verification): one SDPA per row over that
-  row's KV, causal kernels where the row has no prefix, so no compute is spent
-  on padding when prompt lengths differ.
+- extend (prefill chunks): one SDPA per row over that row's KV, causal kernels
+  where the row has no prefix, so no compute is spent on padding when prompt
+  lengths differ;
+- uniform (tree verification, every row adds the same q_len tokens): one
+  batched SDPA over [B, Hkv, Lk, D] with the tree masks ANDed in;
+- grouped queries (``GroupedQueries``): KV gathered once per request as
+  [B, Hkv, Lk, D]; a request's R query tokens times the `group` query heads of a
+  KV head become that head's R*group query rows [B, Hkv, R*group, D], under a
+  [B, 1, R*group, Lk] mask, in one SDPA (GQA without copying KV). Two users:
+  * draft tree step (``ForwardContext.for_tree_step``): B requests with k
+    frontier nodes each (R = k); keys are the request's prefix once, then the i
+    tree slots of every branch (Lk = Lp + k*i); node j sees the valid prefix and
+    its own i slots (ancestors and itself). The prefix is read once per request,
+    not once per branch;
+  * padded short extends (``pad_short_extends``: the draft's catch-up after a
+    verify, 1..S tokens a row): packed [T] queries scatter into
+    R = max_extend slots per row, causal mask over each row's prefix + extend;
+    padding query rows are computed and dropped. One SDPA instead of one per row.
 """
 
 from __future__ import annotations
@@ -97,6 +112,28 @@ class RowSpan:
 
 
 @dataclass
+class GroupedQueries:
+    """Queries grouped by request over keys gathered once per request (draft tree
+    steps, padded short extends): request b has R query tokens; token r sees
+    kv_indices[b, c] where visible[b, r, c]. Packed queries are [B*R] in request
+    order, or, with q_index, [T] that scatter to q_index in that [B*R] layout."""
+    kv_indices: torch.Tensor            # [B, Lk] (padding -> slot 0)
+    visible: torch.Tensor               # [B, R, Lk] bool, at least one key per query row
+    q_index: torch.Tensor | None = None
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask(self, group: int) -> torch.Tensor:
+        """[B, 1, R*group, Lk]: the mask once the query heads sharing a KV head are
+        folded into its query rows (token-major); built by the first layer, shared
+        by the rest."""
+        m = self._masks.get(group)
+        if m is None:
+            b, r, lk = self.visible.shape
+            m = self._masks[group] = self.visible.unsqueeze(2).expand(b, r, group, lk).reshape(b, 1, r * group, lk)
+        return m
+
+
+@dataclass
 class ForwardContext:
     positions: torch.Tensor        # [T] position of each new token
     out_cache_loc: torch.Tensor    # [T] KV slot each new token is written to
@@ -117,17 +154,29 @@ class ForwardContext:
     # torch_native, tree verification: every row adds the same number of tokens; one
     # batched SDPA over kv_indices with attn_mask [B, 1, q_per_row, Lk]
     q_per_row: int = 0
+    # torch_native, draft tree steps and padded short extends
+    grouped: GroupedQueries | None = None
     # RoPE cos/sin at `positions`, per rotary table (filled by the first layer)
     rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def for_rows(cls, kv_indices: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
-                 out_cache_loc: torch.Tensor) -> "ForwardContext":
-        """One new token per row attending to an explicit slot list (draft tree steps:
-        the prefix plus the token's own ancestors). kv_indices / valid: [R, Lk]; the
-        row's own slot (out_cache_loc) must be among its valid entries. torch_native only."""
-        return cls(positions, out_cache_loc, kv_indices.shape[0], True,
-                   kv_indices=torch.where(valid, kv_indices, 0), attn_mask=valid.view(valid.shape[0], 1, 1, -1))
+    def for_tree_step(cls, prefix_slots: torch.Tensor, prefix_valid: torch.Tensor, branch_slots: torch.Tensor,
+                      positions: torch.Tensor, out_cache_loc: torch.Tensor) -> "ForwardContext":
+        """One new token per tree branch (a draft tree step). prefix_slots /
+        prefix_valid: [B, Lp], each request's prefix, padded to the longest;
+        branch_slots: [B, k, i], each branch's ancestors' slots then its own
+        (out_cache_loc [B*k] = branch_slots[:, :, -1], written before attention).
+        positions: [B*k]. The prefix is planned, and later gathered, once per
+        request rather than once per branch. torch_native only."""
+        b, k, i = branch_slots.shape
+        lp = prefix_slots.shape[1]
+        kv_indices = torch.cat([torch.where(prefix_valid, prefix_slots, 0), branch_slots.reshape(b, k * i)], dim=1)
+        # branch j owns columns [j*i, (j+1)*i) of the branch part
+        owner = torch.arange(k * i, device=branch_slots.device) // i
+        own = owner.unsqueeze(0) == torch.arange(k, device=branch_slots.device).unsqueeze(1)  # [k, k*i]
+        visible = torch.cat([prefix_valid.unsqueeze(1).expand(b, k, lp), own.unsqueeze(0).expand(b, k, k * i)],
+                            dim=2)
+        return cls(positions, out_cache_loc, b * k, True, grouped=GroupedQueries(kv_indices, visible))
 
     @classmethod
     def mirrored(cls, req_to_token: torch.Tensor, layout: RowLayout, step: "MirrorStep") -> "ForwardContext":
@@ -156,10 +205,12 @@ class ForwardContext:
     @classmethod
     def build(cls, req_to_token: torch.Tensor, layout: RowLayout,
               tree_masks: list[torch.Tensor | None] | None = None,
-              positions: torch.Tensor | None = None) -> "ForwardContext":
-        """``describe`` plus the torch_native plan (the draft head and tests use it directly)."""
+              positions: torch.Tensor | None = None, pad_short_extends: bool = False) -> "ForwardContext":
+        """``describe`` plus the torch_native plan (the draft head and tests use it
+        directly). ``pad_short_extends``: batch short extends into one padded SDPA
+        (see ``plan_torch_native``)."""
         ctx = cls.describe(req_to_token, layout, tree_masks, positions)
-        plan_torch_native(req_to_token, ctx)
+        plan_torch_native(req_to_token, ctx, pad_short_extends)
         return ctx
 
 
@@ -172,8 +223,16 @@ def new_token_positions(layout: RowLayout) -> torch.Tensor:
             + torch.repeat_interleave(layout.prefix_lens - q_starts, ext, output_size=total))
 
 
-def plan_torch_native(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
-    """Slot lists and masks for SDPA, from the host lengths (no device reads)."""
+# Longest extend the padded plan takes: after a verify round the draft extends each
+# row by 1..S tokens; past this, queries padded to the longest row could cost more
+# than the per-row kernels they replace (and a prompt's causal kernel is cheaper).
+PAD_EXTEND_MAX = 16
+
+
+def plan_torch_native(req_to_token: torch.Tensor, ctx: ForwardContext, pad_short_extends: bool = False) -> None:
+    """Slot lists and masks for SDPA, from the host lengths (no device reads).
+    ``pad_short_extends``: extends of at most PAD_EXTEND_MAX tokens a row (no tree
+    masks) run as one padded SDPA instead of one SDPA per row."""
     layout = ctx.layout
     assert layout is not None
     device, rows, batch = layout.rows.device, layout.rows, layout.batch_size
@@ -184,6 +243,9 @@ def plan_torch_native(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
         return
     if ctx.tree_masks is not None and batch > 1 and layout.uniform_extend:
         _plan_uniform(req_to_token, ctx)
+        return
+    if pad_short_extends and ctx.tree_masks is None and layout.max_extend <= PAD_EXTEND_MAX:
+        _plan_padded(req_to_token, ctx)
         return
     total_kv = sum(kv_lens)
     kv_lens_dev = layout.prefix_lens + layout.extend_lens
@@ -227,6 +289,30 @@ def _plan_uniform(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
     tree_vis = torch.gather(extra, 2, rel.clamp(0, q_len - 1).expand(batch, q_len, max_k))
     mask = torch.where(in_tree, tree_vis, rel < 0) & valid.unsqueeze(1)
     ctx.kv_indices, ctx.attn_mask, ctx.q_per_row = kv_indices, mask.unsqueeze(1), q_len
+
+
+def _plan_padded(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
+    """Short extends of any lengths as one batched SDPA: query j of row r sits at
+    r * max_extend + j of a padded [B, max_extend] layout and sees keys
+    [0, prefix_r + j]. A padding query (j >= extend_r) sees the row's valid keys
+    (at least slot 0, so its softmax is finite); its output is dropped."""
+    layout = ctx.layout
+    assert layout is not None
+    device, batch, q_len = layout.rows.device, layout.batch_size, layout.max_extend
+    kv_indices, valid = _padded_slots(req_to_token, layout, max(layout.host_kv_lens))
+    k_ar = torch.arange(kv_indices.shape[1], device=device)
+    q_last_key = layout.prefix_lens.view(-1, 1) + torch.arange(q_len, device=device).view(1, -1)  # [B, q]
+    mask = (k_ar.view(1, 1, -1) <= q_last_key.unsqueeze(2)) & valid.unsqueeze(1)               # [B, q, Lk]
+    mask[:, :, 0] = True
+    q_index = None
+    if not layout.uniform_extend:
+        ext = layout.extend_lens
+        total = layout.num_new_tokens
+        q_starts = torch.cumsum(ext, 0) - ext
+        # packed token t of row r, j-th of its row: t = q_start_r + j -> r * q_len + j
+        shift = torch.arange(batch, device=device) * q_len - q_starts
+        q_index = torch.arange(total, device=device) + torch.repeat_interleave(shift, ext, output_size=total)
+    ctx.grouped = GroupedQueries(kv_indices, mask, q_index)
 
 
 def _padded_slots(req_to_token: torch.Tensor, layout: RowLayout, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,6 +364,8 @@ class TorchNativeAttention:
         if ctx.mirror is not None:
             assert self.mirror is not None, "a mirrored step needs the backend's mirror"
             return self.mirror.attend(layer, q, k, v, ctx.mirror, self.scale)
+        if ctx.grouped is not None:
+            return self._grouped(layer, q, ctx.grouped)
         if ctx.is_decode:
             return self._decode(layer, q, ctx)
         if ctx.q_per_row:
@@ -292,6 +380,22 @@ class TorchNativeAttention:
         out = F.scaled_dot_product_attention(qb, keys.to(q.dtype), values.to(q.dtype), attn_mask=ctx.attn_mask,
                                              scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).reshape(b * n, self.num_heads * self.head_dim)
+
+    def _grouped(self, layer: int, q: torch.Tensor, plan: GroupedQueries) -> torch.Tensor:
+        """Each request's keys gathered once ([B, Hkv, Lk, D]: a draft step's prefix
+        once for all k branches); the R tokens x group query heads of a KV head are
+        that head's query rows [B, Hkv, R*group, D], so GQA copies no KV and SDPA
+        can use a masked fused kernel (enable_gqa with a mask falls back to math on CUDA)."""
+        keys, values = self.pool.gather_head_major(layer, plan.kv_indices)  # [B, Hkv, Lk, D]
+        b, r = plan.visible.shape[0], plan.visible.shape[1]
+        hkv, g, d = self.num_kv_heads, self.group, self.head_dim
+        if plan.q_index is not None:
+            q = q.new_zeros(b * r, self.num_heads, d).index_copy_(0, plan.q_index, q)
+        qg = q.view(b, r, hkv, g, d).transpose(1, 2).reshape(b, hkv, r * g, d)
+        out = F.scaled_dot_product_attention(qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=plan.mask(g),
+                                             scale=self.scale)
+        out = out.view(b, hkv, r, g, d).transpose(1, 2).reshape(b * r, self.num_heads * d)
+        return out if plan.q_index is None else out.index_select(0, plan.q_index)
 
     def _decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         assert ctx.kv_indices is not None

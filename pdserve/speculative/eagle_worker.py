@@ -40,7 +40,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.model.attention import ForwardContext, RowLayout, TorchNativeAttention
-from pdserve.model.device_io import upload
+from pdserve.model.device_io import upload, upload_rows
 from pdserve.model.layers import RotaryEmbedding
 from pdserve.model.runner import ForwardInput, ModelRunner
 from pdserve.scheduler.memory import TokenToKVPool
@@ -144,12 +144,13 @@ class EagleWorker:
         dev = self.device
         layout = RowLayout.upload([r.row for r in todo], [r.draft_len for r in todo],
                                   [r.kv_len - r.draft_len for r in todo], dev)
-        ctx = ForwardContext.build(table, layout)
+        # After a verify every row extends by a few tokens: one padded SDPA, not one per row.
+        ctx = ForwardContext.build(table, layout, pad_short_extends=True)
         hidden = self.draft(upload(ids, torch.int64, dev), self.features[ctx.out_cache_loc], ctx, from_target=True)
-        last = torch.cumsum(layout.extend_lens, 0) - 1
-        topk_p, topk_index = self._topk(hidden[last])
+        last_hidden = hidden.index_select(0, torch.cumsum(layout.extend_lens, 0) - 1)   # [B, H]
+        topk_p, topk_index = self._topk(last_hidden)
         for i, r in enumerate(todo):
-            r.spec = SpecState(topk_p[i], topk_index[i], hidden[last[i]])
+            r.spec = SpecState(topk_p[i], topk_index[i], last_hidden[i])
             r.draft_len = r.kv_len
 
     def _topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,11 +162,13 @@ class EagleWorker:
     # ---- the draft tree ---------------------------------------------------------
     @torch.inference_mode()
     def propose(self, reqs: list[Req]) -> DraftTree:
+        """Grow every request's draft tree (S - 1 draft forwards), planned from host
+        lengths only. Each step attends to a request's prefix once for all its k
+        branches (``ForwardContext.for_tree_step``), not once per branch."""
         table = self.req_to_token
         assert table is not None
         dev, k, b = self.device, self.topk, len(reqs)
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev)
-        n = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64, device=dev)
+        rows, n = upload_rows([[r.row for r in reqs], [r.kv_len for r in reqs]], torch.int64, dev)
         states = [r.spec for r in reqs]
         assert all(s is not None for s in states), "catch_up() before propose()"
         front_tok = torch.stack([s.topk_index for s in states])       # [B, k]
@@ -174,19 +177,13 @@ class EagleWorker:
         front_entry = torch.arange(k, device=dev).expand(b, k)
         front_anc = torch.empty(b, k, 0, dtype=torch.int64, device=dev)  # ancestors' scratch offsets
         ent_tok, ent_score, ent_parent = [front_tok], [front_score], [torch.full((b, k), -1, device=dev)]
-        prefix_pos = torch.arange(max(r.kv_len for r in reqs), device=dev)  # (host lengths: no device read)
+        prefix_slots, prefix_valid = self._prefix(rows, n, max(r.kv_len for r in reqs))
         for i in range(1, self.steps):
             own_off = (i - 1) * k + torch.arange(k, device=dev)            # scratch offsets of this step
             offs = torch.cat([front_anc, own_off.view(1, k, 1).expand(b, k, 1)], dim=2)  # [B, k, i]
             tree_slots = table[rows.view(b, 1, 1), n.view(b, 1, 1) + offs]            # [B, k, i]
-            pre_slots = table[rows.unsqueeze(1), prefix_pos.unsqueeze(0).clamp(max=table.shape[1] - 1)]
-            pre_len = prefix_pos.numel()
-            # Row layout: [prefix (padded to the longest) | ancestors + self].
-            kv = torch.cat([pre_slots.unsqueeze(1).expand(b, k, pre_len), tree_slots], dim=2).view(b * k, -1)
-            valid_pre = (prefix_pos.unsqueeze(0) < n.unsqueeze(1)).unsqueeze(1).expand(b, k, pre_len)
-            valid = torch.cat([valid_pre, torch.ones(b, k, i, dtype=torch.bool, device=dev)], dim=2)
-            ctx = ForwardContext.for_rows(kv, valid.reshape(b * k, -1), (n + i - 1).repeat_interleave(k),
-                                          tree_slots[:, :, -1].reshape(-1))
+            ctx = ForwardContext.for_tree_step(prefix_slots, prefix_valid, tree_slots,
+                                               (n + i - 1).repeat_interleave(k), tree_slots[:, :, -1].reshape(-1))
             h = self.draft(front_tok.reshape(-1), front_h.reshape(b * k, -1), ctx, from_target=False)
             child_p, child_tok = self._topk(h)                                        # [B*k, k]
             expand = (front_score.unsqueeze(2) * child_p.view(b, k, k)).view(b, k * k)
@@ -203,6 +200,14 @@ class EagleWorker:
             front_entry = k + (i - 1) * k * k + sel
             front_anc = offs.gather(1, parent_front.unsqueeze(2).expand(b, k, i))
         return self._select(reqs, torch.cat(ent_tok, 1), torch.cat(ent_score, 1), torch.cat(ent_parent, 1))
+
+    def _prefix(self, rows: torch.Tensor, kv_lens: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's prefix slots [B, longest] and their validity: the same for
+        all steps of a round, so planned once (``longest`` is a host value, so no read)."""
+        table = self.req_to_token
+        assert table is not None
+        pos = torch.arange(longest, device=rows.device)
+        return table[rows.unsqueeze(1), pos.unsqueeze(0)], pos.unsqueeze(0) < kv_lens.unsqueeze(1)
 
     def _select(self, reqs: list[Req], tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor) -> DraftTree:
         dev, b, n_nodes = self.device, len(reqs), self.num_draft_tokens
