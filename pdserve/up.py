@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import httpx
@@ -89,9 +88,32 @@ def parse_args(argv: Sequence[str]) -> UpArgs:
     clash = next((a for a in rest if a.split("=", 1)[0] in owned), None)
     if clash is not None:
         ap.error(f"{clash.split('=', 1)[0]}: set by pdserve up itself (use its own flags)")
+    servers = 1 if ns.disaggregation_mode == "null" else ns.prefill + ns.decode
+    rest += device_share(rest, servers, _cuda_available())
     return UpArgs(ns.model_path, ns.disaggregation_mode, ns.prefill, ns.decode, ns.speculative_algorithm, draft,
                   ns.speculative_prefill, ns.host, ns.port, ns.startup_timeout, tuple(rest), ns.api_key,
                   ns.admin_api_key, _router_limits(rest))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def device_share(server_args: Sequence[str], servers: int, cuda: bool) -> list[str]:
+    """``--mem-fraction-static`` for servers that share one GPU: each server takes an
+    equal part of the default share of the device (its weights and KV pools), unless
+    the flag was given or the servers run on the CPU."""
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ap.add_argument("--mem-fraction-static")
+    ap.add_argument("--device")
+    ns, _ = ap.parse_known_args(list(server_args))
+    if servers < 2 or not cuda or ns.mem_fraction_static is not None or ns.device == "cpu":
+        return []
+    from pdserve.config import ServerArgs
+
+    return ["--mem-fraction-static", f"{ServerArgs.mem_fraction_static / servers:.3f}"]
 
 
 # Server flags the router takes as well: the limits it checks too, and the log level (one

@@ -116,3 +116,17 @@ def test_up_ctrl_c_while_starting_stops_everything():
         if proc.poll() is None:
             proc.kill()
             pytest.fail("pdserve up did not stop while starting")
+
+
+def test_servers_sharing_a_gpu_split_its_share():
+    """On a GPU the servers of `pdserve up` share one device: each takes an equal part of
+    the default --mem-fraction-static, unless the flag is given or they run on the CPU."""
+    from pdserve.up import device_share
+
+    assert device_share([], 2, cuda=True) == ["--mem-fraction-static", "0.425"]
+    assert device_share(["--page-size", "16"], 3, cuda=True) == ["--mem-fraction-static", "0.283"]
+    assert device_share([], 1, cuda=True) == []
+    assert device_share([], 2, cuda=False) == []
+    assert device_share(["--device", "cpu"], 2, cuda=True) == []
+    assert device_share(["--mem-fraction-static", "0.3"], 2, cuda=True) == []
+    assert device_share(["--mem-fraction-static=0.3"], 2, cuda=True) == []

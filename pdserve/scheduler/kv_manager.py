@@ -41,6 +41,43 @@ class SlotFollower(Protocol):
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
 
+class MemoryBudgetError(ValueError):
+    """The device memory a server may hold cannot hold its KV pool."""
+
+
+# Below this much device memory left free beside the static pools, activations and
+# CUDA graphs are likely to run out: said in the log, not refused.
+MIN_HEADROOM_BYTES = 1 << 30
+
+
+def device_kv_budget(free: int, total: int, held: int, fraction: float) -> int:
+    """Bytes for the KV pools of a server on a device of ``total`` bytes, ``free`` of
+    them free now, ``held`` already taken by this process (weights, buffers).
+
+    ``--mem-fraction-static`` is the share of the whole device the server's static
+    memory (weights + KV pools) may take, as in SGLang, so servers sharing one GPU
+    (a prefill and a decode server, 0.4 each) get what they ask whichever starts
+    first. Refused when the share is smaller than the weights or larger than what is
+    free now (another process holds the rest)."""
+    gib = 2 ** 30
+    budget = int(total * fraction) - held
+    if budget <= 0:
+        raise MemoryBudgetError(
+            f"--mem-fraction-static {fraction} allows {total * fraction / gib:.2f} GiB of the device's "
+            f"{total / gib:.2f} GiB, but the weights and buffers already take {held / gib:.2f} GiB: no room "
+            "for the KV cache; raise --mem-fraction-static")
+    if budget > free:
+        raise MemoryBudgetError(
+            f"--mem-fraction-static {fraction} asks for {budget / gib:.2f} GiB of KV cache but only "
+            f"{free / gib:.2f} GiB of the device's {total / gib:.2f} GiB are free (another process holds "
+            f"{(total - free - held) / gib:.2f} GiB); lower --mem-fraction-static (servers sharing a GPU: "
+            "fractions that add up to at most about 0.9)")
+    if free - budget < MIN_HEADROOM_BYTES:
+        logger.warning("--mem-fraction-static %.3f leaves %.2f GiB of device memory for activations and CUDA "
+                       "graphs", fraction, (free - budget) / gib)
+    return budget
+
+
 def size_kv_pages(args: ServerArgs, runner: ModelRunner, tp: TPGroup, slot_followers_bytes: int = 0) -> int:
     """Pages of the KV pool, the padding page included (every TP rank gets the same).
     ``slot_followers_bytes``: what every slot also costs in pools indexed like it (a
@@ -52,8 +89,9 @@ def size_kv_pages(args: ServerArgs, runner: ModelRunner, tp: TPGroup, slot_follo
         tokens = args.max_total_tokens
     else:
         if runner.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(runner.device)
-            budget = free * args.mem_fraction_static
+            free, total = torch.cuda.mem_get_info(runner.device)
+            budget = device_kv_budget(free, total, torch.cuda.memory_allocated(runner.device),
+                                      args.mem_fraction_static)
         else:
             budget = args.cpu_kv_budget_gb * (1 << 30) * args.mem_fraction_static
         # No point holding more than every request slot filled to the context.

@@ -102,3 +102,26 @@ def test_the_memory_budget_covers_the_draft_pools(tmp_path):
                 / sched.kv.num_slots
                 + sched.spec.features[0].numel() * sched.spec.features.element_size())
     assert (spec_pages - 1) * per_slot <= 0.0005 * (1 << 30) < spec_pages * per_slot + per_slot
+
+
+def test_the_device_budget_is_a_share_of_the_whole_device(caplog):
+    """--mem-fraction-static is the share of the whole device for weights + KV, so two
+    servers sharing one GPU (0.4 each) get the same pools whichever starts first; an
+    impossible share is refused with the flag's name."""
+    from pdserve.scheduler.kv_manager import MemoryBudgetError, device_kv_budget
+
+    gib = 1 << 30
+    total, weights = 80 * gib, 2 * gib
+    # The first server starts on an empty device, the second after the first took its 40%.
+    first = device_kv_budget(free=total - weights, total=total, held=weights, fraction=0.4)
+    second = device_kv_budget(free=total - 32 * gib - weights, total=total, held=weights, fraction=0.4)
+    assert first == second == int(total * 0.4) - weights
+    # A share smaller than the weights, and a share larger than what is free.
+    with pytest.raises(MemoryBudgetError, match="--mem-fraction-static 0.02.*raise"):
+        device_kv_budget(free=total - weights, total=total, held=weights, fraction=0.02)
+    with pytest.raises(MemoryBudgetError, match="--mem-fraction-static 0.85.*only 46.00 GiB.*lower"):
+        device_kv_budget(free=total - 32 * gib - weights, total=total, held=weights, fraction=0.85)
+    # Fitting, but with under 1 GiB left for activations: said in the log.
+    with caplog.at_level("WARNING"):
+        device_kv_budget(free=10 * gib, total=10 * gib + weights, held=weights, fraction=0.99)
+    assert "leaves" in caplog.text
