@@ -4,8 +4,8 @@
 # transformers, safetensors and tokenizers (no Mooncake needed: the prefill and decode
 # schedulers run in one process over LocalTransfer). Prints every result and, when
 # $OUT is set, writes gpu_check_pd.json / gpu_check_pd.txt there.
-# Extra arguments go to `python -m pdserve.bench.gpu_check_pd` (e.g. --skip transfer).
+# Extra arguments go to `python3 -m pdserve.bench.gpu_check_pd` (e.g. --skip transfer).
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 # 6 minutes at most, so a rerun fits in the session's device time.
-timeout 360 python -m pdserve.bench.gpu_check_pd ${OUT:+--out "$OUT"} "$@"
+timeout 360 python3 -m pdserve.bench.gpu_check_pd ${OUT:+--out "$OUT"} "$@"

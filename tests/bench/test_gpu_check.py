@@ -43,3 +43,22 @@ def test_gpu_check_pd_smoke_writes_its_report(tmp_path):
     assert report["spec"]["tree"]["equal"] == report["spec"]["tree"]["requests"]
     assert report["transfer"]["staged"] > 0
     assert "all sections ok" in (tmp_path / "gpu_check_pd.txt").read_text()
+
+
+def test_gpu_pd_servers_smoke_writes_its_report(tmp_path):
+    """Issue 23's two-server proof (`pdserve up` deployments on one device, router in
+    front, Mooncake between the servers) runs end to end with tiny shapes: the 1P1D
+    deployment with EAGLE on decode gives the colocated server's greedy outputs and
+    serves both loads."""
+    from pdserve.bench import gpu_pd_servers
+
+    gpu_pd_servers.main(["--smoke", "--only", "1P1D decode-EAGLE", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gpu_pd_servers.json").read_text())
+    assert set(report) == {"colocated", "1P1D decode-EAGLE"}
+    pd = report["1P1D decode-EAGLE"]
+    assert pd["ok"] is True, pd
+    assert pd["greedy_equal_colocated"] == "4/4"
+    for load in ("mixed", "multiturn_round2"):
+        assert pd[load]["failed"] == 0 and pd[load]["completed"] > 0
+    assert pd["mixed"]["accept_length"] >= 1.0
+    assert "all deployments ok" in (tmp_path / "gpu_pd_servers.txt").read_text()
