@@ -19,5 +19,26 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   mooncake-transfer-engine-non-cuda==0.3.13.post1 xgrammar==0.2.9 fastapi==0.165.0 starlette==1.10.0 \
   pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 uvicorn==0.55.0 \
   pyzmq==27.3.0
-(cd .whl && apt-get download libibverbs1 libnl-3-200 libnl-route-3-200)
+# Mooncake's wheel carries a 42 MB benchmark, its store and master binaries: the
+# transfer engine needs none of them, and the device call carries 64 MiB at most.
+python3 - <<'PY'
+import glob, zipfile
+from pathlib import Path
+unused = {"mooncake/transfer_engine_bench", "mooncake/mooncake_client", "mooncake/mooncake_master",
+          "mooncake/store.so"}
+for wheel in glob.glob(".whl/mooncake_transfer_engine*.whl"):
+    slim = Path(wheel + ".slim")
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
+        for item in src.infolist():
+            if item.filename in unused:
+                continue
+            data = src.read(item.filename)
+            if item.filename.endswith(".dist-info/RECORD"):
+                kept = [line for line in data.decode().splitlines() if line.split(",")[0] not in unused]
+                data = ("\n".join(kept) + "\n").encode()
+            dst.writestr(item, data)
+    slim.replace(wheel)
+PY
+# libibverbs (and what it links); libnuma, which the engine links too.
+(cd .whl && apt-get download libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1)
 du -sh .whl
