@@ -78,6 +78,11 @@ def device_kv_budget(free: int, total: int, held: int, fraction: float) -> int:
     return budget
 
 
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device now (None for the CPU, whose budget is a flag)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def size_kv_pages(args: ServerArgs, runner: ModelRunner, tp: TPGroup, slot_followers_bytes: int = 0) -> int:
     """Pages of the KV pool, the padding page included (every TP rank gets the same).
     ``slot_followers_bytes``: what every slot also costs in pools indexed like it (a

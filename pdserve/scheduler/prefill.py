@@ -39,6 +39,7 @@ from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput
 from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
                                        kv_layout, register_buffers, split_samples, transfer_staging)
+from pdserve.scheduler.kv_manager import MIN_HEADROOM_BYTES, device_free_bytes
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
 
@@ -101,7 +102,7 @@ class PrefillScheduler(Scheduler):
                     raise HandshakeError(f"decode asks for target layers {list(layers)} of a "
                                          f"{cfg.num_layers}-layer model")
                 width = cfg.hidden_size * max(1, len(layers))
-                pool = torch.zeros(self.kv.num_slots, width, dtype=self.runner.dtype, device=self.device)
+                pool = self._feature_pool(width)
                 self.feature_sink = (tuple(layers), pool)
                 self.kv.followers.append(_FeatureRows(pool))  # a fork's copied page keeps its features
             if self.staging is not None:
@@ -113,6 +114,26 @@ class PrefillScheduler(Scheduler):
             if row != slot_bytes:
                 raise HandshakeError(f"features: prefill rows are {row} bytes, decode's {slot_bytes}")
             return BufferSpec("features", pool.data_ptr(), pool.shape[0], row)
+
+    def _feature_pool(self, width: int) -> torch.Tensor:
+        """A plain prefill server's feature pool, made at the first speculative decode's
+        handshake: outside the memory budget sized at startup, so it must fit beside it
+        (else the handshake is refused with the fix, rather than the server running out
+        of device memory mid-step)."""
+        need = self.kv.num_slots * width * torch.empty(0, dtype=self.runner.dtype).element_size()
+        free = device_free_bytes(self.device)
+        if free is not None and need > free - MIN_HEADROOM_BYTES:
+            raise HandshakeError(
+                f"decode's draft needs target features, {need / 2**30:.2f} GiB on this plain prefill server, "
+                f"and only {free / 2**30:.2f} GiB of device memory are free; start the prefill server with "
+                "--speculative-algorithm / --speculative-draft-model-path (its memory budget then holds the "
+                "features) or a lower --mem-fraction-static")
+        try:
+            return torch.zeros(self.kv.num_slots, width, dtype=self.runner.dtype, device=self.device)
+        except torch.OutOfMemoryError:
+            raise HandshakeError(f"decode's draft needs target features, {need / 2**30:.2f} GiB that this "
+                                 "prefill server's device cannot hold; start it with --speculative-algorithm / "
+                                 "--speculative-draft-model-path or a lower --mem-fraction-static") from None
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:

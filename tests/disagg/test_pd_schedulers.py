@@ -175,6 +175,34 @@ def test_incompatible_pairs_are_refused(dirs):
             s.close()
 
 
+def test_a_feature_pool_that_does_not_fit_is_refused_at_the_handshake(dirs, monkeypatch):
+    """A plain prefill server makes its feature pool when the first speculative decode
+    server connects, outside its startup budget: on a device without room for it the
+    handshake is refused naming the fix, and the pool is not made."""
+    from pdserve.scheduler import prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "device_free_bytes", lambda device: 2 << 30)  # 2 GiB "free"
+    p = sched(PrefillScheduler, dirs, None, {})
+    monkeypatch.setattr(p.kv, "num_slots", 10**8)  # features for 10^8 slots: far more than 2 GiB
+    d = sched(DecodeScheduler, dirs, "EAGLE3", {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    builder = RequestBuilder(None, 4096, 10**6, 4, 0)
+    try:
+        r = samples_from_message(builder.group([5, 6, 7], SamplingParams.from_dict(GREEDY), False, 0))[0]
+        r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, random.getrandbits(62)
+        d.add(r)
+        deadline = time.monotonic() + 30
+        while not r.finished and time.monotonic() < deadline:
+            d.step()
+            time.sleep(0.01)
+        assert r.finished and r.finish.server_error, r.finish
+        assert re.search(r"needs target features, \d+\.\d+ GiB.*only 2\.00 GiB.*--speculative-algorithm",
+                         r.finish.message), r.finish.message
+        assert p.feature_sink is None
+    finally:
+        p.close()
+        d.close()
+
+
 @pytest.mark.parametrize("p_algo,d_algo", [(None, None), (None, "EAGLE3"), ("EAGLE3", "EAGLE3")])
 def test_pd_pair_on_qwen3(make_engine, tmp_path, p_algo, d_algo):
     t = build_random_model(tmp_path / "q", "qwen3", num_layers=4, num_heads=4, num_kv_heads=2)
