@@ -66,6 +66,14 @@ def param_bytes(spec: tuple) -> int:
     return 2 * (layers * per_layer + vocab * hidden * (1 if tied else 2))
 
 
+def check_parser(doc: str, name: str) -> argparse.ArgumentParser:
+    """The options every GPU check takes: where its report goes, and the CPU smoke mode."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT"), help=f"folder for {name}.json / .txt")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script itself)")
+    return ap
+
+
 class Report:
     """Results so far, written to ``out`` after every section (a run cut short by
     its timeout still leaves what it measured)."""
@@ -95,6 +103,12 @@ class Report:
             self.say(traceback.format_exc())
         entry["seconds"] = round(time.perf_counter() - start, 1)
         self.say(f"-- {name}: {'ok' if entry['ok'] else 'FAILED'} ({entry['seconds']} s)")
+        self.save()
+
+    def conclude(self, all_ok: str = "all sections ok") -> None:
+        """The last line (``all_ok``, or the failed sections) and the final save."""
+        failed = [k for k, v in self.results.items() if isinstance(v, dict) and v.get("ok") is False]
+        self.say(all_ok if not failed else f"FAILED: {', '.join(failed)}")
         self.save()
 
     def save(self) -> None:
@@ -382,9 +396,7 @@ def check_speed(rep: Report, entry: dict[str, Any], name: str, spec: tuple, mode
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json / .txt")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script itself)")
+    ap = check_parser(__doc__ or "", "gpu_check")
     ap.add_argument("--models", default="qwen3-0.6b,llama-3.1-8b")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (kernels,sync,graphs,speed)")
     args = ap.parse_args(argv)
@@ -417,9 +429,7 @@ def main(argv: list[str] | None = None) -> None:
                 model_dir = write_config(Path(tmp, name), spec)
                 with rep.section(f"speed {name}") as entry:
                     check_speed(rep, entry, name, spec, model_dir, tokenizer, device, args.smoke, bandwidth, flops)
-    failed = [k for k, v in rep.results.items() if isinstance(v, dict) and v.get("ok") is False]
-    rep.say("all sections ok" if not failed else f"FAILED: {', '.join(failed)}")
-    rep.save()
+    rep.conclude()
 
 
 if __name__ == "__main__":

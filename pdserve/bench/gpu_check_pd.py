@@ -21,8 +21,6 @@ everything so the script itself is checked on a CPU; its numbers mean nothing.
 
 from __future__ import annotations
 
-import argparse
-import os
 import random
 import tempfile
 import time
@@ -31,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.gpu_check import Report
+from pdserve.bench.gpu_check import Report, check_parser
 
 
 def _prompts(n: int, seed: int, lo: int, hi: int) -> list[list[int]]:
@@ -147,9 +145,7 @@ def check_transfer(rep: Report, entry: dict[str, Any], device: torch.device, smo
 def main(argv: list[str] | None = None) -> None:
     from pdserve.testing import build_random_draft, build_random_model
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check_pd.json / .txt")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script itself)")
+    ap = check_parser(__doc__ or "", "gpu_check_pd")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip (pd,spec,transfer)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -172,9 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         if "transfer" not in skip:
             with rep.section("transfer") as entry:
                 check_transfer(rep, entry, device, args.smoke)
-    failed = [k for k, v in rep.results.items() if isinstance(v, dict) and v.get("ok") is False]
-    rep.say("all sections ok" if not failed else f"FAILED: {', '.join(failed)}")
-    rep.save()
+    rep.conclude()
 
 
 if __name__ == "__main__":

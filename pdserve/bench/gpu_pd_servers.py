@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import tempfile
 import threading
@@ -41,7 +40,7 @@ import httpx
 import torch
 
 from pdserve.bench import serving
-from pdserve.bench.gpu_check import Report
+from pdserve.bench.gpu_check import Report, check_parser
 from pdserve.up import Deployment, free_port
 from pdserve.up import parse_args as up_args
 
@@ -128,9 +127,7 @@ def run_deployment(rep: Report, entry: dict[str, Any], name: str, flags: list[st
 def main(argv: list[str] | None = None) -> None:
     from pdserve.testing import build_random_draft, build_random_model
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_pd_servers.json / .txt")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script itself)")
+    ap = check_parser(__doc__ or "", "gpu_pd_servers")
     ap.add_argument("--only", default="", help="comma-separated deployment names to run (default: all)")
     a = ap.parse_args(argv)
     a.num_requests, a.max_new_tokens = (4, 8) if a.smoke else (64, 32)
@@ -157,9 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                 outputs = run_deployment(rep, entry, name, flags, target, inputs, reference, a)
                 if name == "colocated":
                     reference = outputs
-    failed = [k for k, v in rep.results.items() if isinstance(v, dict) and v.get("ok") is False]
-    rep.say("all deployments ok" if not failed else f"FAILED: {', '.join(failed)}")
-    rep.save()
+    rep.conclude("all deployments ok")
 
 
 if __name__ == "__main__":
