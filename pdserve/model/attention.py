@@ -357,6 +357,27 @@ class TorchNativeAttention:
         """The forward's context, planned once for every layer."""
         return ForwardContext.build(req_to_token, layout, tree_masks, positions)
 
+    # ---- the draft head's forwards (speculative.eagle_worker) -------------------------------
+    def draft_extend_context(self, req_to_token: torch.Tensor, layout: RowLayout) -> ForwardContext:
+        """The draft's catch-up: after a verify every row extends by a few tokens, so one
+        padded SDPA serves them all, not one per row."""
+        return ForwardContext.build(req_to_token, layout, pad_short_extends=True)
+
+    def plan_tree_round(self, req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor,
+                        longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's prefix slots [B, longest] and their validity: the same for all
+        tree steps of a round, so planned once (``longest`` is a host value: no read)."""
+        pos = torch.arange(longest, device=rows.device)
+        return req_to_token[rows.unsqueeze(1), pos.unsqueeze(0)], pos.unsqueeze(0) < kv_lens.unsqueeze(1)
+
+    def tree_step_context(self, tree_round: tuple[torch.Tensor, torch.Tensor], branch_slots: torch.Tensor,
+                          positions: torch.Tensor) -> ForwardContext:
+        """One new token per branch: branch_slots [B, k, i] (its ancestors' slots then its
+        own, where its KV is written), positions [B * k]."""
+        prefix_slots, prefix_valid = tree_round
+        return ForwardContext.for_tree_step(prefix_slots, prefix_valid, branch_slots, positions,
+                                            branch_slots[:, :, -1].reshape(-1))
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq*D]."""

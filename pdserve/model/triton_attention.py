@@ -42,7 +42,7 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton when it decorates the kernels
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT_DTYPES = (torch.int32, torch.int64)
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 
@@ -254,8 +254,9 @@ def _check_q(q: torch.Tensor, num_kv_heads: int, head_dim: int, name: str = "q")
 
 def _check_ints(batch: int, **tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
-        _check(t.dim() == 1 and t.shape[0] == batch and t.dtype in _INT_DTYPES,
-               f"{name} must be a [{batch}] int32/int64 tensor, got {tuple(t.shape)} {t.dtype}")
+        _check(t.dim() == 1 and t.shape[0] == batch and t.dtype in _INT_DTYPES and t.stride(0) == 1,
+               f"{name} must be a contiguous [{batch}] int32/int64 tensor, got {tuple(t.shape)} {t.dtype} "
+               f"stride {t.stride()}")
 
 
 def _check_table(req_to_token: torch.Tensor) -> None:
@@ -292,6 +293,7 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     k/v: [T, Hkv, D] in any float dtype (a strided view is fine)."""
     num_kv_heads, head_dim = _check_kv(k_buf, v_buf)
     _check(loc.dim() == 1 and loc.dtype in _INT_DTYPES, f"loc must be a 1-D int tensor, got {loc.dtype}")
+    loc = loc.contiguous()  # the kernel reads slot t at loc + t (a column of a slot table is strided)
     shape = (loc.shape[0], num_kv_heads, head_dim)
     for name, t in (("k", k), ("v", v)):
         _check(tuple(t.shape) == shape and t.dtype in _KV_DTYPES and t.stride(-1) == 1,
@@ -316,13 +318,14 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_splits: int = 16,
     return max(1, min(max_splits, triton.cdiv(target_programs, programs)))
 
 
-def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
-                     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per row over its first seq_lens[b] cached keys (its own
-    included). q: [B, Hq, D]; rows, seq_lens: [B] int32/int64 on q's device.
-    Returns [B, Hq, D] in q.dtype, or fills ``out``. Allocates an fp32 workspace
-    of B * Hq * num_splits * (D + 1) floats per call."""
+def decode_partials(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+                    rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query token per row over its first seq_lens[b] cached keys, as per-split
+    partial results: outputs [B, Hq, S, D] (fp32, each normalised over its split's
+    keys) and their log-sum-exp [B, Hq, S] (base 2, of the scaled scores; -inf for
+    an empty split). ``merge_partials`` combines them, with partials over other keys
+    if any (a draft tree step's own ancestors)."""
     num_kv_heads, head_dim = _check_kv(k_buf, v_buf)
     num_heads = _check_q(q, num_kv_heads, head_dim)
     batch = q.shape[0]
@@ -330,25 +333,49 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     _check_ints(batch, rows=rows, seq_lens=seq_lens)
     _check(isinstance(num_splits, int) and num_splits >= 1, f"num_splits must be an int >= 1, got {num_splits}")
     _check_device(q, k_buf, v_buf, req_to_token, rows, seq_lens)
-    out = _check_out(out, q)
-    if batch == 0:
-        return out
-    group = num_heads // num_kv_heads
-    block_d = _block_d(head_dim)
+    # Every split program writes its partial (an empty chunk: zeros and -inf).
     ws_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     ws_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    if batch == 0:
+        return ws_out, ws_lse
+    group = num_heads // num_kv_heads
+    block_d = _block_d(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, rows, seq_lens, ws_out, ws_lse, scale * _LOG2E,
+        q, k_buf, v_buf, req_to_token, rows, seq_lens, ws_out, ws_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), req_to_token.stride(1),
         ws_out.stride(0), ws_out.stride(1), ws_out.stride(2), ws_lse.stride(0), ws_lse.stride(1),
         group, head_dim, num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64 if block_d <= 128 else 32,
         BLOCK_D=block_d, DOT_PREC=_dot_precision(k_buf.dtype), num_warps=4, num_stages=_num_stages(block_d))
+    return ws_out, ws_lse
+
+
+def merge_partials(ws_out: torch.Tensor, ws_lse: torch.Tensor) -> torch.Tensor:
+    """[B, Hq, D] fp32 attention output from partials over disjoint key sets ([B, Hq, S, D]
+    outputs, [B, Hq, S] base-2 log-sum-exps; a row with no key at all gives zeros)."""
+    top = ws_lse.amax(dim=-1, keepdim=True)
+    weight = torch.exp2(ws_lse - torch.where(top == float("-inf"), 0.0, top))  # empty partials weigh 0
+    total = weight.sum(dim=-1, keepdim=True)
+    return (weight.unsqueeze(-1) * ws_out).sum(dim=-2) / torch.where(total > 0, total, 1.0)
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
+                     rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per row over its first seq_lens[b] cached keys (its own
+    included). q: [B, Hq, D]; rows, seq_lens: [B] int32/int64 on q's device.
+    Returns [B, Hq, D] in q.dtype, or fills ``out``. Allocates an fp32 workspace
+    of B * Hq * num_splits * (D + 1) floats per call."""
+    ws_out, ws_lse = decode_partials(q, k_buf, v_buf, req_to_token, rows, seq_lens, scale, num_splits)
+    out = _check_out(out, q)
+    batch, num_heads, _, head_dim = ws_out.shape
+    if batch == 0:
+        return out
     _decode_merge_kernel[(batch, num_heads)](
         ws_out, ws_lse, out, ws_out.stride(0), ws_out.stride(1), ws_out.stride(2),
         ws_lse.stride(0), ws_lse.stride(1), out.stride(0), out.stride(1), head_dim, num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=_block_d(head_dim), num_warps=4)
     return out
 
 
@@ -391,7 +418,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     dummy = rows  # never read when USE_MASK is off
     _extend_kernel[(batch, num_heads, triton.cdiv(max_extend_len, block_m))](
         q, k_buf, v_buf, out, req_to_token, rows, prefix_lens, extend_lens, q_starts,
-        custom_mask if use_mask else dummy, mask_starts if use_mask else dummy, scale * _LOG2E,
+        custom_mask if use_mask else dummy, mask_starts if use_mask else dummy, scale * LOG2E,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), req_to_token.stride(1),
         num_heads // num_kv_heads, head_dim,

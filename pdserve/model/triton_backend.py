@@ -39,6 +39,25 @@ class ExtendPlan:
     mask_starts: torch.Tensor | None  # [B] offset of each row's block
 
 
+@dataclass(frozen=True)
+class TreeStepPlan:
+    """A draft tree step: R = B x k branches, each one query over its request's prefix
+    (read in place by the paged decode kernel) and its own i tree slots."""
+    req_to_token: torch.Tensor
+    rows: torch.Tensor           # [R] each branch's request-table row
+    prefix_lens: torch.Tensor    # [R] its request's prefix length
+    branch_slots: torch.Tensor   # [R, i] its ancestors' scratch slots, then its own
+    num_splits: int
+
+
+@dataclass(frozen=True)
+class TreeRound:
+    """What every tree step of one draft round shares (planned once)."""
+    req_to_token: torch.Tensor
+    rows: torch.Tensor
+    prefix_lens: torch.Tensor
+
+
 class TritonAttention:
     name = "triton"
 
@@ -79,13 +98,56 @@ class TritonAttention:
         return ExtendPlan(req_to_token, layout.rows, layout.prefix_lens, ext, torch.cumsum(ext, 0) - ext, layout.max_extend,
                           custom, starts)
 
+    # ---- the draft head's forwards (speculative.eagle_worker) -------------------------------
+    def draft_extend_context(self, req_to_token: torch.Tensor, layout: RowLayout) -> ForwardContext:
+        return self.context(req_to_token, layout)
+
+    def plan_tree_round(self, req_to_token: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor,
+                        longest: int) -> TreeRound:
+        """``longest`` (the host's longest prefix) is not needed: the kernel reads lengths
+        from the device, so a round's plan has fixed shapes (CUDA-graph safe)."""
+        return TreeRound(req_to_token, rows, kv_lens)
+
+    def tree_step_context(self, tree_round: TreeRound, branch_slots: torch.Tensor,
+                          positions: torch.Tensor) -> ForwardContext:
+        """One new token per branch: branch_slots [B, k, i] (its ancestors' slots then
+        its own, where its KV is written), positions [B * k]."""
+        b, k, i = branch_slots.shape
+        plan = TreeStepPlan(tree_round.req_to_token, tree_round.rows.repeat_interleave(k),
+                            tree_round.prefix_lens.repeat_interleave(k), branch_slots.reshape(b * k, i),
+                            kernels.choose_num_splits(b * k, self.num_kv_heads))
+        return ForwardContext(positions, branch_slots[:, :, -1].reshape(-1), b * k, True, plan=plan)
+
+    def _tree_step(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                   plan: TreeStepPlan) -> torch.Tensor:
+        """The prefix part from the paged decode kernel's per-split partials, the branch
+        part (i keys per query) in torch, merged by their log-sum-exps: each branch reads
+        its request's prefix where it lies, nothing is gathered or copied."""
+        ws_out, ws_lse = kernels.decode_partials(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.prefix_lens,
+                                                 self.scale, plan.num_splits)
+        r, i = plan.branch_slots.shape
+        hkv, d = self.num_kv_heads, self.head_dim
+        keys = k_buf[plan.branch_slots].float()                              # [R, i, Hkv, D]
+        values = v_buf[plan.branch_slots].float()
+        qg = q.float().view(r, hkv, self.num_heads // hkv, d)               # query head h reads KV head h // group
+        scores = torch.einsum("rhgd,rihd->rhgi", qg, keys) * (self.scale * kernels.LOG2E)
+        top = scores.amax(dim=-1, keepdim=True)
+        weights = torch.exp2(scores - top)
+        total = weights.sum(dim=-1, keepdim=True)
+        branch_out = torch.einsum("rhgi,rihd->rhgd", weights / total, values).reshape(r, self.num_heads, 1, d)
+        branch_lse = (top + torch.log2(total)).reshape(r, self.num_heads, 1)
+        out = kernels.merge_partials(torch.cat([ws_out, branch_out], dim=2), torch.cat([ws_lse, branch_lse], dim=2))
+        return out.to(q.dtype)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq*D]."""
         k_buf, v_buf = self.pool.layer_buffers(layer)
         kernels.store_kv(k_buf, v_buf, ctx.out_cache_loc, k, v)
         plan = ctx.plan
-        if isinstance(plan, DecodePlan):
+        if isinstance(plan, TreeStepPlan):
+            out = self._tree_step(q, k_buf, v_buf, plan)
+        elif isinstance(plan, DecodePlan):
             out = kernels.decode_attention(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.seq_lens, self.scale,
                                            plan.num_splits)
         else:

@@ -35,17 +35,22 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pdserve.config import ServerArgs
-from pdserve.model.attention import ForwardContext, RowLayout, TorchNativeAttention
+from pdserve.model.attention import RowLayout, TorchNativeAttention
 from pdserve.model.device_io import upload, upload_rows
 from pdserve.model.layers import RotaryEmbedding
+from pdserve.model.model_config import ModelConfig
 from pdserve.model.runner import ForwardInput, ModelRunner
 from pdserve.scheduler.memory import TokenToKVPool
 from pdserve.scheduler.req import Req
 from pdserve.speculative.draft_model import DraftConfig, EagleDraftModel
+
+if TYPE_CHECKING:
+    from pdserve.model.triton_backend import TritonAttention
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +102,20 @@ class EagleWorker:
         self.capture_layers: tuple[int, ...] = self.config.capture_layers
         # Positions past kv_len one round uses: the verified tree and the draft scratch.
         self.room = max(self.num_draft_tokens, (self.steps - 1) * self.topk)
-        self.draft.bind(TorchNativeAttention(self.draft_pool, lay.num_heads, lay.num_kv_heads, lay.head_dim),
+        self.backend = self._attention(args.resolved_attention_backend(), lay)
+        self.draft.bind(self.backend,
                         RotaryEmbedding(lay.head_dim, runner.context_len + self.room, lay.rope).to(self.device))
         self.req_to_token: torch.Tensor | None = None
         self.num_verify_rounds = 0
         self.num_emitted_tokens = 0
+
+    def _attention(self, name: str, lay: ModelConfig) -> TorchNativeAttention | TritonAttention:
+        """The draft's attention follows the target's backend: with ``triton`` its tree
+        steps read each request's prefix in place, from lengths on the device."""
+        if name == "triton":
+            from pdserve.model.triton_backend import TritonAttention  # imports triton: only when chosen
+            return TritonAttention(self.draft_pool, lay.num_heads, lay.num_kv_heads, lay.head_dim)
+        return TorchNativeAttention(self.draft_pool, lay.num_heads, lay.num_kv_heads, lay.head_dim)
 
     @staticmethod
     def bytes_per_slot(args: ServerArgs, runner: ModelRunner) -> int:
@@ -144,8 +158,7 @@ class EagleWorker:
         dev = self.device
         layout = RowLayout.upload([r.row for r in todo], [r.draft_len for r in todo],
                                   [r.kv_len - r.draft_len for r in todo], dev)
-        # After a verify every row extends by a few tokens: one padded SDPA, not one per row.
-        ctx = ForwardContext.build(table, layout, pad_short_extends=True)
+        ctx = self.backend.draft_extend_context(table, layout)
         hidden = self.draft(upload(ids, torch.int64, dev), self.features[ctx.out_cache_loc], ctx, from_target=True)
         last_hidden = hidden.index_select(0, torch.cumsum(layout.extend_lens, 0) - 1)   # [B, H]
         topk_p, topk_index = self._topk(last_hidden)
@@ -162,28 +175,36 @@ class EagleWorker:
     # ---- the draft tree ---------------------------------------------------------
     @torch.inference_mode()
     def propose(self, reqs: list[Req]) -> DraftTree:
-        """Grow every request's draft tree (S - 1 draft forwards), planned from host
-        lengths only. Each step attends to a request's prefix once for all its k
-        branches (``ForwardContext.for_tree_step``), not once per branch."""
+        """Grow every request's draft tree from its carried state, planned from host
+        values only (no device read)."""
         table = self.req_to_token
         assert table is not None
-        dev, k, b = self.device, self.topk, len(reqs)
-        rows, n = upload_rows([[r.row for r in reqs], [r.kv_len for r in reqs]], torch.int64, dev)
         states = [r.spec for r in reqs]
         assert all(s is not None for s in states), "catch_up() before propose()"
-        front_tok = torch.stack([s.topk_index for s in states])       # [B, k]
-        front_score = torch.stack([s.topk_p for s in states])         # [B, k]
-        front_h = torch.stack([s.hidden for s in states]).unsqueeze(1).expand(b, k, -1)
+        rows, n, root = upload_rows([[r.row for r in reqs], [r.kv_len for r in reqs],
+                                     [r.output_ids[-1] for r in reqs]], torch.int64, self.device)
+        tree_round = self.backend.plan_tree_round(table, rows, n, max(r.kv_len for r in reqs))
+        return self.grow_tree(tree_round, rows, n, root, torch.stack([s.topk_index for s in states]),
+                              torch.stack([s.topk_p for s in states]), torch.stack([s.hidden for s in states]))
+
+    def grow_tree(self, tree_round: Any, rows: torch.Tensor, n: torch.Tensor, root: torch.Tensor,
+                  front_tok: torch.Tensor, front_score: torch.Tensor, hidden: torch.Tensor) -> DraftTree:
+        """S - 1 draft forwards over device tensors only (shapes from B, k and S: what a
+        CUDA graph can record): rows, n (kv_len), root (last token) [B]; the carried
+        top-k [B, k] and draft hidden state [B, H]. Each step attends to a request's
+        prefix once for all its k branches, not once per branch."""
+        table = self.req_to_token
+        assert table is not None
+        dev, k, b = self.device, self.topk, rows.shape[0]
+        front_h = hidden.unsqueeze(1).expand(b, k, -1)
         front_entry = torch.arange(k, device=dev).expand(b, k)
         front_anc = torch.empty(b, k, 0, dtype=torch.int64, device=dev)  # ancestors' scratch offsets
         ent_tok, ent_score, ent_parent = [front_tok], [front_score], [torch.full((b, k), -1, device=dev)]
-        prefix_slots, prefix_valid = self._prefix(rows, n, max(r.kv_len for r in reqs))
         for i in range(1, self.steps):
             own_off = (i - 1) * k + torch.arange(k, device=dev)            # scratch offsets of this step
             offs = torch.cat([front_anc, own_off.view(1, k, 1).expand(b, k, 1)], dim=2)  # [B, k, i]
             tree_slots = table[rows.view(b, 1, 1), n.view(b, 1, 1) + offs]            # [B, k, i]
-            ctx = ForwardContext.for_tree_step(prefix_slots, prefix_valid, tree_slots,
-                                               (n + i - 1).repeat_interleave(k), tree_slots[:, :, -1].reshape(-1))
+            ctx = self.backend.tree_step_context(tree_round, tree_slots, (n + i - 1).repeat_interleave(k))
             h = self.draft(front_tok.reshape(-1), front_h.reshape(b * k, -1), ctx, from_target=False)
             child_p, child_tok = self._topk(h)                                        # [B*k, k]
             expand = (front_score.unsqueeze(2) * child_p.view(b, k, k)).view(b, k * k)
@@ -199,18 +220,11 @@ class EagleWorker:
             front_h = h.view(b, k, -1).gather(1, parent_front.unsqueeze(2).expand(b, k, h.shape[-1]))
             front_entry = k + (i - 1) * k * k + sel
             front_anc = offs.gather(1, parent_front.unsqueeze(2).expand(b, k, i))
-        return self._select(reqs, torch.cat(ent_tok, 1), torch.cat(ent_score, 1), torch.cat(ent_parent, 1))
+        return self._select(root, torch.cat(ent_tok, 1), torch.cat(ent_score, 1), torch.cat(ent_parent, 1))
 
-    def _prefix(self, rows: torch.Tensor, kv_lens: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every request's prefix slots [B, longest] and their validity: the same for
-        all steps of a round, so planned once (``longest`` is a host value, so no read)."""
-        table = self.req_to_token
-        assert table is not None
-        pos = torch.arange(longest, device=rows.device)
-        return table[rows.unsqueeze(1), pos.unsqueeze(0)], pos.unsqueeze(0) < kv_lens.unsqueeze(1)
-
-    def _select(self, reqs: list[Req], tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor) -> DraftTree:
-        dev, b, n_nodes = self.device, len(reqs), self.num_draft_tokens
+    def _select(self, root: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor
+                ) -> DraftTree:
+        dev, b, n_nodes = self.device, root.shape[0], self.num_draft_tokens
         order = torch.sort(-score, dim=1, stable=True).indices[:, : n_nodes - 1]
         chosen = order.sort(dim=1).values                                   # parents before children
         entry_node = torch.full_like(score, -1, dtype=torch.int64)
@@ -219,7 +233,6 @@ class EagleWorker:
         # Every kept node's parent is kept (propose's stable sorts never keep a child
         # without its parent), so each lookup below finds a node.
         par_node = torch.where(par_entry < 0, 0, entry_node.gather(1, par_entry.clamp(min=0)))
-        root = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev)
         tokens = torch.cat([root.unsqueeze(1), tok.gather(1, chosen)], dim=1)
         parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=dev), par_node], dim=1)
         depths = torch.zeros(b, n_nodes, dtype=torch.int64, device=dev)

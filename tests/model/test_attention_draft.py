@@ -127,3 +127,29 @@ def test_long_extends_keep_the_per_row_plan():
     layout = RowLayout.upload([0, 1], [0, 2], [PAD_EXTEND_MAX + 1, 3], torch.device("cpu"))
     ctx = ForwardContext.build(table, layout, pad_short_extends=True)
     assert len(ctx.spans) == 2 and ctx.grouped is None
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("k,depth", [(1, 2), (3, 3)])
+def test_triton_tree_step_equals_torch_native(heads, k, depth):
+    """The triton draft tree step (each branch reads its request's prefix in place with
+    the paged decode kernel, its own slots in torch, merged by log-sum-exp; lengths
+    from the device only) gives the torch_native tree step's output, and writes the
+    same KV."""
+    from pdserve.model.triton_backend import TritonAttention
+
+    num_heads, num_kv_heads = heads
+    kv_lens = [5, 1, 17, 9]
+    native, pool, table = make_backend(num_heads, num_kv_heads, len(kv_lens))
+    triton_backend = TritonAttention(pool, num_heads, num_kv_heads, HEAD_DIM)
+    _, _, branch_slots, positions = tree_step_inputs(table, kv_lens, k, depth)
+    q, kn, vn = new_tokens(len(kv_lens) * k, num_heads, num_kv_heads)
+    rows, n = torch.arange(len(kv_lens)), torch.tensor(kv_lens)
+    outs = []
+    for backend in (native, triton_backend):
+        ctx = backend.tree_step_context(backend.plan_tree_round(table, rows, n, max(kv_lens)), branch_slots,
+                                        positions)
+        assert torch.equal(ctx.out_cache_loc, branch_slots[:, :, -1].reshape(-1))
+        outs.append(backend.forward(0, q, kn, vn, ctx))
+    assert torch.allclose(outs[0], outs[1], atol=1e-4), (outs[0] - outs[1]).abs().max()
+    assert torch.equal(pool.k[0][branch_slots[:, :, -1].reshape(-1)], kn)

@@ -52,19 +52,28 @@ def test_triton_engine_gives_torch_native_tokens(page_size, reference, make_engi
     assert again["output_ids"] == reference[1]
 
 
-def test_triton_verify_tree_masks_keep_speculative_output_plain(make_engine, tmp_path_factory):
-    # The target's tree verification runs the extend kernel with EAGLE's tree masks.
+@pytest.mark.parametrize("shape", [(3, 1, 4), (3, 2, 5)], ids=["chain", "tree"])
+def test_triton_verify_tree_masks_keep_speculative_output_plain(make_engine, tmp_path_factory, shape):
+    # The target's tree verification runs the extend kernel with EAGLE's tree masks; the
+    # draft's tree steps run the paged decode kernel over each prefix in place, merged
+    # with the branch's own slots: the same trees, so the same acceptance as torch_native.
     target = build_random_model(tmp_path_factory.mktemp("tri_t"), "llama", num_layers=2, num_heads=4,
                                 num_kv_heads=2, hidden_size=64)
     draft = build_random_draft(target, tmp_path_factory.mktemp("tri_d") / "e", "EAGLE", seed=1)
     params = dict(GREEDY, max_new_tokens=10)
     plain = make_engine(target, attention_backend="torch_native").generate(input_ids=PROMPTS[:2],
                                                                            sampling_params=params)
-    spec = make_engine(target, attention_backend="triton", speculative_algorithm="EAGLE",
-                       speculative_draft_model_path=str(draft), speculative_num_steps=3,
-                       speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    eagle = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft),
+                 speculative_num_steps=shape[0], speculative_eagle_topk=shape[1],
+                 speculative_num_draft_tokens=shape[2])
+    spec = make_engine(target, attention_backend="triton", **eagle)
+    assert spec._scheduler.spec.backend.name == "triton"
     outs = spec.generate(input_ids=PROMPTS[:2], sampling_params=params)
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+    native = make_engine(target, attention_backend="torch_native", **eagle).generate(input_ids=PROMPTS[:2],
+                                                                                      sampling_params=params)
+    assert ([o["meta_info"]["spec_accepted_drafts"] for o in outs]
+            == [o["meta_info"]["spec_accepted_drafts"] for o in native])
 
 
 def test_refusals():
