@@ -86,17 +86,30 @@ def check_spec(rep: Report, entry: dict[str, Any], target: Path, draft: Path, de
     base = {"device": device.type, "max_total_tokens": 16384}
     plain = [r["output_ids"] for r in Engine(model_path=str(target), **base).generate(
         input_ids=prompts, sampling_params=greedy)]
+    # On a GPU each shape runs twice: eagerly, then with decode and draft-tree CUDA graphs
+    # (the same trees: equal acceptance), timed in the same run after a warm-up.
+    variants = [("", {})] + ([(" graphs", {"enable_cuda_graph": True})] if device.type == "cuda" else [])
     for name, shape in (("chain", (4, 1, 5)), ("tree", (3, 2, 6))):
-        engine = Engine(model_path=str(target), **base, speculative_algorithm="EAGLE",
-                        speculative_draft_model_path=str(draft), speculative_num_steps=shape[0],
-                        speculative_eagle_topk=shape[1], speculative_num_draft_tokens=shape[2])
-        outs = engine.generate(input_ids=prompts, sampling_params=greedy)
-        same = sum(o["output_ids"] == ref for o, ref in zip(outs, plain))
-        accept = engine._scheduler.spec.avg_accept_length
-        entry[name] = {"equal": same, "requests": n, "accept_length": round(accept, 3)}
-        rep.say(f"EAGLE {name} {shape}: greedy equal to plain {same}/{n}, accept length {accept:.2f}")
-        if same != n:
-            raise AssertionError(f"EAGLE {name}: outputs differ from plain decoding")
+        for suffix, extra in variants:
+            engine = Engine(model_path=str(target), **base, **extra, speculative_algorithm="EAGLE",
+                            speculative_draft_model_path=str(draft), speculative_num_steps=shape[0],
+                            speculative_eagle_topk=shape[1], speculative_num_draft_tokens=shape[2])
+            engine.generate(input_ids=prompts[:2], sampling_params=greedy)  # warm-up
+            before = engine._scheduler.spec.num_verify_rounds, engine._scheduler.spec.num_emitted_tokens
+            start = time.perf_counter()
+            outs = engine.generate(input_ids=prompts, sampling_params=greedy)
+            seconds = time.perf_counter() - start
+            same = sum(o["output_ids"] == ref for o, ref in zip(outs, plain))
+            spec = engine._scheduler.spec
+            accept = (spec.num_emitted_tokens - before[1]) / max(1, spec.num_verify_rounds - before[0])
+            tokens = sum(len(o["output_ids"]) for o in outs)
+            entry[name + suffix] = {"equal": same, "requests": n, "accept_length": round(accept, 3),
+                                    "output_tok_s": round(tokens / seconds, 1)}
+            rep.say(f"EAGLE {name}{suffix} {shape}: greedy equal to plain {same}/{n}, accept length {accept:.2f}, "
+                    f"{tokens / seconds:,.0f} output tok/s")
+            engine.shutdown()
+            if same != n:
+                raise AssertionError(f"EAGLE {name}{suffix}: outputs differ from plain decoding")
 
 
 def check_transfer(rep: Report, entry: dict[str, Any], device: torch.device, smoke: bool) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -99,21 +99,34 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every size (CUDA only), largest first, into one memory pool."""
-        assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
-        before = torch.cuda.memory_allocated(self.device)
-        pool = None
-        stream = torch.cuda.Stream(self.device)
-        for size in reversed(self.sizes):
-            layout = self.static_layout(size)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up: autotuning and allocations happen outside capture
-                self.forward(self.input_ids[:size], layout)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward(self.input_ids[:size], layout)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
-        taken = (torch.cuda.memory_allocated(self.device) - before) / 2**20
-        logger.info("CUDA graphs captured for decode batch sizes %s (%.0f MiB)", self.sizes, taken)
+        self.graphs, self.outputs = capture_each(
+            self.sizes, lambda size: self.forward(self.input_ids[:size], self.static_layout(size)), self.device,
+            "decode")
+
+
+def capture_each(sizes: list[int], forward: Callable[[int], Any], device: torch.device, what: str
+                 ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, Any]]:
+    """One CUDA graph per size of ``forward(size)`` (a forward over static buffers),
+    largest first, sharing one memory pool; each after a warm-up run outside capture
+    (kernel compilation and allocations happen there). Returns the graphs and the
+    outputs each one refills on replay."""
+    assert device.type == "cuda", "CUDA graphs need a CUDA device"
+    before = torch.cuda.memory_allocated(device)
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, Any] = {}
+    pool = None
+    stream = torch.cuda.Stream(device)
+    for size in reversed(sizes):
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            forward(size)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = forward(size)
+        pool = graph.pool()
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    taken = (torch.cuda.memory_allocated(device) - before) / 2**20
+    logger.info("CUDA graphs captured for %s batch sizes %s (%.0f MiB)", what, sizes, taken)
+    return graphs, outputs

@@ -70,6 +70,8 @@ class Scheduler(FaultIsolation, Admission):
         self.kv = KVManager(args, runner, num_pages, self.spec.room if self.spec is not None else 1)
         if self.spec is not None:
             self.spec.bind(self.kv.req_table.table)
+            if args.use_cuda_graph():
+                self.spec.enable_graphs(self.kv.req_table.padding_row, args.cuda_graph_max_bs, capture=True)
             self.kv.followers.append(self.spec)  # the draft features move with the target KV
             self.decoding = EagleDecoding(self, self.spec)
         else:

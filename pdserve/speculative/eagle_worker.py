@@ -51,6 +51,7 @@ from pdserve.speculative.draft_model import DraftConfig, EagleDraftModel
 
 if TYPE_CHECKING:
     from pdserve.model.triton_backend import TritonAttention
+    from pdserve.speculative.draft_graphs import DraftGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class EagleWorker:
         self.draft.bind(self.backend,
                         RotaryEmbedding(lay.head_dim, runner.context_len + self.room, lay.rope).to(self.device))
         self.req_to_token: torch.Tensor | None = None
+        self.runner_dtype = runner.dtype
+        self.graphs: "DraftGraphs | None" = None
         self.num_verify_rounds = 0
         self.num_emitted_tokens = 0
 
@@ -183,9 +186,25 @@ class EagleWorker:
         assert all(s is not None for s in states), "catch_up() before propose()"
         rows, n, root = upload_rows([[r.row for r in reqs], [r.kv_len for r in reqs],
                                      [r.output_ids[-1] for r in reqs]], torch.int64, self.device)
+        carried = (torch.stack([s.topk_index for s in states]), torch.stack([s.topk_p for s in states]),
+                   torch.stack([s.hidden for s in states]))
+        if self.graphs is not None and self.graphs.fits(len(reqs)):
+            return self.graphs.run(rows, n, root, *carried)
         tree_round = self.backend.plan_tree_round(table, rows, n, max(r.kv_len for r in reqs))
-        return self.grow_tree(tree_round, rows, n, root, torch.stack([s.topk_index for s in states]),
-                              torch.stack([s.topk_p for s in states]), torch.stack([s.hidden for s in states]))
+        return self.grow_tree(tree_round, rows, n, root, *carried)
+
+    def enable_graphs(self, padding_row: int, max_bs: int, capture: bool) -> None:
+        """Rounds of up to ``max_bs`` requests grow their trees through static buffers,
+        replayed from CUDA graphs when ``capture`` (else run eagerly: the CPU tests).
+        Needs the triton backend (its tree steps read no host lengths)."""
+        from pdserve.speculative.draft_graphs import DraftGraphs
+
+        if self.backend.name != "triton":
+            raise ValueError("the draft's CUDA graphs need --attention-backend triton")
+        assert self.req_to_token is not None, "bind() first"
+        self.graphs = DraftGraphs(self, padding_row, max_bs, self.config.hidden_size, self.runner_dtype)
+        if capture:
+            self.graphs.capture()
 
     def grow_tree(self, tree_round: Any, rows: torch.Tensor, n: torch.Tensor, root: torch.Tensor,
                   front_tok: torch.Tensor, front_score: torch.Tensor, hidden: torch.Tensor) -> DraftTree:

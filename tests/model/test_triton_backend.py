@@ -270,3 +270,31 @@ def test_speculative_round_reads(algo, grammar, make_engine, tmp_path):
     if grammar:
         params[1].update(regex="[a-z ]{200}")
     assert count_reads_of_steady_steps(engine, params, 4) == [2 if grammar else 1] * 4
+
+
+def test_draft_tree_static_buffers_pad_and_keep_the_trees(make_engine, tmp_path_factory):
+    """The draft's graphable round (static buffers padded to a captured size, run eagerly
+    here: the CPU has no CUDA graphs) grows the same trees as the direct round: outputs
+    equal plain decoding and the acceptance is the same, so padding rows touch no
+    request's KV."""
+    target = build_random_model(tmp_path_factory.mktemp("grt"), "llama", num_layers=2, num_heads=4,
+                                num_kv_heads=2, hidden_size=64)
+    draft = build_random_draft(target, tmp_path_factory.mktemp("grd") / "e", "EAGLE", seed=1)
+    eagle = dict(attention_backend="triton", speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft),
+                 speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+    params = dict(GREEDY, max_new_tokens=6)
+    prompts = PROMPTS[:3]
+    plain = [o["output_ids"] for o in make_engine(target).generate(input_ids=prompts, sampling_params=params)]
+    direct = make_engine(target, **eagle).generate(input_ids=prompts, sampling_params=params)
+    engine = make_engine(target, **eagle)
+    spec = engine._scheduler.spec
+    spec.enable_graphs(engine._scheduler.kv.req_table.padding_row, max_bs=4, capture=False)
+    assert spec.graphs.fits(4) and not spec.graphs.fits(5)
+    sizes: list[int] = []
+    real_grow = spec.graphs._grow
+    spec.graphs._grow = lambda size: sizes.append(size) or real_grow(size)
+    outs = engine.generate(input_ids=prompts, sampling_params=params)  # 3 requests: padded to 4
+    assert sizes and set(sizes) == {4}
+    assert [o["output_ids"] for o in outs] == plain
+    assert ([o["meta_info"]["spec_accepted_drafts"] for o in outs]
+            == [o["meta_info"]["spec_accepted_drafts"] for o in direct])
