@@ -169,11 +169,16 @@ def test_queue_limit_sheds_load(start_server, llama_dir):
     s = start_server(llama_dir, "--max-running-requests", "1", "--max-queued-requests", "2",
                      "--max-total-tokens", "8192")
     try:
-        body = {"text": "queued", "sampling_params": dict(GREEDY, max_new_tokens=LONG_TOKENS)}
+        # The first runs long, so the two behind it stay queued through the burst.
+        budgets = [LONG_TOKENS, 16, 16]
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             # 1 running + 2 waiting: the queue is at its limit.
-            held = [pool.submit(httpx.post, s.url + "/generate", json=body, timeout=EXIT_TIMEOUT_S)
-                    for _ in range(3)]
+            def submit(n: int) -> concurrent.futures.Future:
+                return pool.submit(httpx.post, s.url + "/generate", timeout=EXIT_TIMEOUT_S,
+                                   json={"text": "queued", "sampling_params": dict(GREEDY, max_new_tokens=n)})
+            held = [submit(budgets[0])]
+            wait_until(lambda: s.state()["num_running_reqs"] == 1, 30.0, what="the long request running")
+            held += [submit(n) for n in budgets[1:]]
             wait_until(lambda: s.info()["in_flight_requests"] == 3, 30.0, what="3 requests in flight")
             st = s.state()
             assert st["num_running_reqs"] == 1, st
@@ -187,10 +192,10 @@ def test_queue_limit_sheds_load(start_server, llama_dir):
                 assert_refused(f.result(), "--max-queued-requests 2")
             assert s.info()["in_flight_requests"] == 3
             # Every accepted request finishes, in full.
-            for f in held:
+            for f, n in zip(held, budgets):
                 r = f.result()
                 assert r.status_code == 200, r.text[:300]
-                assert r.json()["meta_info"]["completion_tokens"] == LONG_TOKENS
+                assert r.json()["meta_info"]["completion_tokens"] == n
             # A mixed burst against an idle server: each answer is a full result or a 503
             # with Retry-After, never anything else; the first three always fit.
             mixed = [pool.submit(httpx.post, s.url + "/generate", timeout=60.0,
