@@ -45,6 +45,10 @@ from pdserve.model.device_io import upload_rows
 if TYPE_CHECKING:
     from pdserve.model.decode_mirror import DecodeKVMirror, MirrorStep
 
+# Tree verification's ancestry masks: per row an optional [q, q] block, or one
+# [B, q, q] tensor when every row adds the same q tokens (EAGLE: no per-row list).
+TreeMasks = list["torch.Tensor | None"] | torch.Tensor
+
 
 class KVStore(Protocol):
     """What attention needs from the KV pool (owned by the scheduler's memory module)."""
@@ -141,7 +145,7 @@ class ForwardContext:
     is_decode: bool
     layout: RowLayout | None = None
     # tree verification: per row an optional [q_len, q_len] restriction among the new tokens
-    tree_masks: list[torch.Tensor | None] | None = None
+    tree_masks: TreeMasks | None = None
     # what the attention backend planned for this forward (read by every layer)
     plan: Any = None
     # torch_native, decode
@@ -186,7 +190,7 @@ class ForwardContext:
 
     @classmethod
     def describe(cls, req_to_token: torch.Tensor, layout: RowLayout,
-                 tree_masks: list[torch.Tensor | None] | None = None,
+                 tree_masks: TreeMasks | None = None,
                  positions: torch.Tensor | None = None) -> "ForwardContext":
         """Where the new tokens go and at which RoPE positions; a backend's ``plan``
         adds what its kernels read. ``tree_masks``: per row an optional [q_len, q_len]
@@ -204,7 +208,7 @@ class ForwardContext:
 
     @classmethod
     def build(cls, req_to_token: torch.Tensor, layout: RowLayout,
-              tree_masks: list[torch.Tensor | None] | None = None,
+              tree_masks: TreeMasks | None = None,
               positions: torch.Tensor | None = None, pad_short_extends: bool = False) -> "ForwardContext":
         """``describe`` plus the torch_native plan (the draft head and tests use it
         directly). ``pad_short_extends``: batch short extends into one padded SDPA
@@ -282,8 +286,11 @@ def _plan_uniform(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
     max_k = kv_indices.shape[1]
     k_ar = torch.arange(max_k, device=device)
     # prefix keys: all visible; new keys: as the row's tree mask says
-    extra = torch.stack([m if m is not None else torch.ones(q_len, q_len, dtype=torch.bool, device=device)
-                         .tril() for m in masks]).to(device)                          # [B, q, q]
+    if isinstance(masks, torch.Tensor):
+        extra = masks.to(device)                                                     # [B, q, q]
+    else:
+        extra = torch.stack([m if m is not None else torch.ones(q_len, q_len, dtype=torch.bool, device=device)
+                             .tril() for m in masks]).to(device)
     rel = k_ar.view(1, 1, -1) - prefix_lens.view(-1, 1, 1)                          # [B, 1, Lk]
     in_tree = (rel >= 0) & (rel < q_len)
     tree_vis = torch.gather(extra, 2, rel.clamp(0, q_len - 1).expand(batch, q_len, max_k))
@@ -329,7 +336,7 @@ class AttentionBackend(Protocol):
     name: str
 
     def context(self, req_to_token: torch.Tensor, layout: RowLayout,
-                tree_masks: list[torch.Tensor | None] | None = None,
+                tree_masks: TreeMasks | None = None,
                 positions: torch.Tensor | None = None) -> ForwardContext: ...
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -352,7 +359,7 @@ class TorchNativeAttention:
         self.scale = head_dim ** -0.5
 
     def context(self, req_to_token: torch.Tensor, layout: RowLayout,
-                tree_masks: list[torch.Tensor | None] | None = None,
+                tree_masks: TreeMasks | None = None,
                 positions: torch.Tensor | None = None) -> ForwardContext:
         """The forward's context, planned once for every layer."""
         return ForwardContext.build(req_to_token, layout, tree_masks, positions)

@@ -10,7 +10,8 @@ from typing import Any, Sequence
 import torch
 
 from pdserve.config import ConfigError, ServerArgs
-from pdserve.model.attention import AttentionBackend, ForwardContext, KVStore, RowLayout, TorchNativeAttention
+from pdserve.model.attention import (AttentionBackend, ForwardContext, KVStore, RowLayout, TorchNativeAttention,
+                                     TreeMasks)
 from pdserve.model.cuda_graph import DecodeGraphs
 from pdserve.model.decode_mirror import DecodeKVMirror
 from pdserve.model.device_io import upload
@@ -33,7 +34,7 @@ class ForwardInput:
     sample_index: torch.Tensor  # [R] packed positions whose logits are wanted
     # Tree verification: RoPE positions of the new tokens and per-row ancestry masks.
     positions: torch.Tensor | None = None
-    extra_masks: list[torch.Tensor | None] | None = None
+    extra_masks: TreeMasks | None = None
     # Plain decode steps only (one new token per row, no masks): one key per row
     # naming the request (see DecodeKVMirror).
     decode_keys: list[int] | None = None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.model import triton_attention as kernels
-from pdserve.model.attention import ForwardContext, KVStore, RowLayout
+from pdserve.model.attention import ForwardContext, KVStore, RowLayout, TreeMasks
 from pdserve.model.device_io import upload
 
 MAX_HEAD_DIM = 256
@@ -72,20 +72,24 @@ class TritonAttention:
         self.scale = head_dim ** -0.5
 
     def context(self, req_to_token: torch.Tensor, layout: RowLayout,
-                tree_masks: list[torch.Tensor | None] | None = None,
+                tree_masks: TreeMasks | None = None,
                 positions: torch.Tensor | None = None) -> ForwardContext:
         ctx = ForwardContext.describe(req_to_token, layout, tree_masks, positions)
         ctx.plan = self.plan(req_to_token, layout, ctx.is_decode, tree_masks)
         return ctx
 
     def plan(self, req_to_token: torch.Tensor, layout: RowLayout, is_decode: bool,
-             tree_masks: list[torch.Tensor | None] | None) -> DecodePlan | ExtendPlan:
+             tree_masks: TreeMasks | None) -> DecodePlan | ExtendPlan:
         if is_decode:
             return DecodePlan(req_to_token, layout.rows, layout.prefix_lens + 1,
                               kernels.choose_num_splits(layout.batch_size, self.num_kv_heads))
         ext = layout.extend_lens
         custom = starts = None
-        if tree_masks is not None:
+        if isinstance(tree_masks, torch.Tensor):  # [B, q, q]: every row adds q tokens
+            q = tree_masks.shape[1]
+            custom = tree_masks.reshape(-1).to(torch.uint8)
+            starts = torch.arange(layout.batch_size, device=ext.device) * (q * q)
+        elif tree_masks is not None:
             device = ext.device
             blocks = [(m if m is not None else torch.ones(e, e, dtype=torch.bool, device=device).tril())
                       for m, e in zip(tree_masks, layout.host_extend)]

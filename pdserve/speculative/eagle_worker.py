@@ -269,7 +269,7 @@ class EagleWorker:
     def verify_input(self, reqs: list[Req], tree: DraftTree) -> ForwardInput:
         nodes = self.num_draft_tokens
         fwd = ForwardInput.upload(tree.tokens.reshape(-1), [r.row for r in reqs], [r.kv_len for r in reqs],
-                                  [nodes] * len(reqs), None, self.device, extra_masks=list(tree.masks.unbind(0)))
+                                  [nodes] * len(reqs), None, self.device, extra_masks=tree.masks)
         fwd.positions = (fwd.layout.prefix_lens.unsqueeze(1) + tree.depths).reshape(-1)
         return fwd
 
