@@ -74,7 +74,6 @@ class Req:
 
     # Speculative decoding
     draft_len: int = 0             # positions whose draft KV is written (<= kv_len)
-    spec: Any = None               # state carried between rounds (speculative.eagle_worker.SpecState)
     spec_verify_ct: int = 0        # verify rounds this request took part in
     spec_accepted_drafts: int = 0  # draft tokens it accepted
 

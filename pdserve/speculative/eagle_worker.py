@@ -56,9 +56,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SpecState:
-    """What a request carries from one round to the next."""
+@dataclass(frozen=True)
+class CarriedState:
+    """What a request carries into its next round (a copy, for inspection)."""
     topk_p: torch.Tensor      # [k] draft probabilities of the next token's candidates
     topk_index: torch.Tensor  # [k] their target token ids
     hidden: torch.Tensor      # [H] draft output at the last position
@@ -133,6 +133,19 @@ class EagleWorker:
 
     def bind(self, req_to_token: torch.Tensor) -> None:
         self.req_to_token = req_to_token
+        # What each request carries from one round to the next, by request-table row
+        # (valid while its draft_len == kv_len): the draft's top-k candidates for the
+        # next token (probabilities, target ids) and its output at the last position.
+        rows, dev = req_to_token.shape[0], self.device
+        self.carried_p = torch.zeros(rows, self.topk, dtype=torch.float32, device=dev)
+        self.carried_index = torch.zeros(rows, self.topk, dtype=torch.int64, device=dev)
+        self.carried_hidden = torch.zeros(rows, self.config.hidden_size, dtype=self.runner_dtype, device=dev)
+
+    def carried(self, req: Req) -> CarriedState:
+        """A copy of what ``req`` carries into its next round (its row's state)."""
+        assert req.row is not None and req.draft_len == req.kv_len, "catch_up() first"
+        return CarriedState(self.carried_p[req.row].clone(), self.carried_index[req.row].clone(),
+                            self.carried_hidden[req.row].clone())
 
     @property
     def avg_accept_length(self) -> float:
@@ -165,8 +178,10 @@ class EagleWorker:
         hidden = self.draft(upload(ids, torch.int64, dev), self.features[ctx.out_cache_loc], ctx, from_target=True)
         last_hidden = hidden.index_select(0, torch.cumsum(layout.extend_lens, 0) - 1)   # [B, H]
         topk_p, topk_index = self._topk(last_hidden)
-        for i, r in enumerate(todo):
-            r.spec = SpecState(topk_p[i], topk_index[i], last_hidden[i])
+        self.carried_p.index_copy_(0, layout.rows, topk_p)
+        self.carried_index.index_copy_(0, layout.rows, topk_index)
+        self.carried_hidden.index_copy_(0, layout.rows, last_hidden)
+        for r in todo:
             r.draft_len = r.kv_len
 
     def _topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,12 +197,10 @@ class EagleWorker:
         values only (no device read)."""
         table = self.req_to_token
         assert table is not None
-        states = [r.spec for r in reqs]
-        assert all(s is not None for s in states), "catch_up() before propose()"
+        assert all(r.draft_len == r.kv_len for r in reqs), "catch_up() before propose()"
         rows, n, root = upload_rows([[r.row for r in reqs], [r.kv_len for r in reqs],
                                      [r.output_ids[-1] for r in reqs]], torch.int64, self.device)
-        carried = (torch.stack([s.topk_index for s in states]), torch.stack([s.topk_p for s in states]),
-                   torch.stack([s.hidden for s in states]))
+        carried = (self.carried_index[rows], self.carried_p[rows], self.carried_hidden[rows])
         if self.graphs is not None and self.graphs.fits(len(reqs)):
             return self.graphs.run(rows, n, root, *carried)
         tree_round = self.backend.plan_tree_round(table, rows, n, max(r.kv_len for r in reqs))

@@ -76,7 +76,8 @@ def test_seed2_eagle3_across_the_split_first_round_acceptance(make_engine, dirs,
         def catch_up(reqs):
             orig(reqs)
             for r in reqs:
-                first.setdefault((id(worker), tuple(r.prompt_ids)), r.spec)
+                if r.row is not None:
+                    first.setdefault((id(worker), tuple(r.prompt_ids)), worker.carried(r))
         worker.catch_up = catch_up
     recording(colo._scheduler.spec)
     colocated = colo.generate(input_ids=ids, sampling_params=PARAMS)

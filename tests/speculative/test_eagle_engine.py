@@ -342,8 +342,9 @@ def assert_state_equals_fresh_prefill(engine, fresh, ps: list[list[int]], truth:
                     torch.testing.assert_close(mine.k[layer][a], theirs.k[layer][b], atol=1e-4, rtol=1e-4)
                     torch.testing.assert_close(mine.v[layer][a], theirs.v[layer][b], atol=1e-4, rtol=1e-4)
             assert r.draft_len == r.kv_len
-            torch.testing.assert_close(r.spec.hidden, probe.spec.hidden, atol=1e-4, rtol=1e-4)
-            assert r.spec.topk_index.tolist() == probe.spec.topk_index.tolist()
+            mine, theirs = sched.spec.carried(r), ref_sched.spec.carried(probe)
+            torch.testing.assert_close(mine.hidden, theirs.hidden, atol=1e-4, rtol=1e-4)
+            assert mine.topk_index.tolist() == theirs.topk_index.tolist()
             ref_sched.abort(probe.rid)
     for r in list(sched.running) + list(sched.waiting):
         sched.abort(r.rid)
