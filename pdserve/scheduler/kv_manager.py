@@ -21,7 +21,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.model.attention import RowLayout
-from pdserve.model.device_io import upload
+from pdserve.model.device_io import upload, upload_rows
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.memory import PageAllocator, ReqToTokenPool, TokenToKVPool
@@ -204,6 +204,45 @@ class KVManager:
         self.req_table.table[req.row, start:end] = page * ps + pos % ps
         return new_ids
 
+    def grow_rounds(self, reqs: list[Req], room: int) -> list[list[int]]:
+        """Positions [kv_len, kv_len + room) of every request get slots (a speculative
+        round: its tree and draft scratch), continuing each last page: the page choices
+        are made on the host and go up in one upload, whatever the batch size. Returns
+        each request's new page ids (what ``trim_rounds`` gives back)."""
+        ps = self.page_size
+        starts = [r.kv_len for r in reqs]
+        counts = [pages_for(n + room, ps) - pages_for(n, ps) for n in starts]
+        ids = iter(self.alloc_page_ids(sum(counts)))
+        new_pages = [[next(ids) for _ in range(c)] for c in counts]
+        rows: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        new_slot: list[int] = []  # the slot in a new page, or 0: the position continues the last page
+        for req, n, pages in zip(reqs, starts, new_pages):
+            assert req.row is not None
+            first_new = pages_for(n, ps) * ps  # the first position of the first new page
+            for p in range(n, n + room):
+                rows.append(req.row)
+                positions.append(p)
+                last.append(n - 1)
+                new_slot.append(pages[(p - first_new) // ps] * ps + p % ps if p >= first_new else 0)
+        row_t, pos_t, last_t, new_t = upload_rows([rows, positions, last, new_slot], torch.int64, self.device)
+        table = self.req_table.table
+        following = table[row_t, last_t.clamp(min=0)] + (pos_t - last_t)
+        table[row_t, pos_t] = torch.where(new_t > 0, new_t, following)
+        return new_pages
+
+    def trim_rounds(self, reqs: list[Req], starts: list[int], new_pages: list[list[int]]) -> None:
+        """After a round, give back each request's new pages past its kept ``kv_len`` (the
+        host's ids: no device read), in one release."""
+        ps = self.page_size
+        drop: list[int] = []
+        for req, start, pages in zip(reqs, starts, new_pages):
+            keep = max(0, pages_for(req.kv_len, ps) - pages_for(start, ps))
+            drop += pages[keep:]
+        if drop:
+            self.allocator.release(torch.tensor(drop, dtype=torch.int64))
+
     def reserve(self, req: Req, length: int, prefix: PrefixMatch | None = None) -> list[int]:
         """A row, the cached ``prefix`` (locked by ``match``; none: nothing cached) and
         slots for the positions after it up to ``length``, of a request whose KV there
@@ -251,14 +290,6 @@ class KVManager:
         rows, dsts, srcs = upload([x for move in moves for x in move], torch.int64, self.device).view(-1, 3).unbind(1)
         table = self.req_table.table
         self.copy_slots(table[rows, dsts], table[rows, srcs])
-
-    def trim(self, req: Req, start: int, new_pages: list[int]) -> None:
-        """Release the pages of ``new_pages`` (what ``assign`` from position ``start``
-        gave) past ``req.kv_len``: no device read, the ids are the host's."""
-        ps = self.page_size
-        keep = pages_for(req.kv_len, ps) - pages_for(start, ps)
-        if keep < len(new_pages):
-            self.allocator.release(torch.tensor(new_pages[max(0, keep):], dtype=torch.int64))
 
     def fork(self, parent: Req, children: list[Req], own_last_position: bool) -> None:
         """Start ``children`` on the parent's prompt KV: full pages are shared, a partial

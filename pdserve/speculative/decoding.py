@@ -90,7 +90,7 @@ class EagleDecoding:
         reqs = list(sched.running)
         if not reqs:
             return None
-        round_pages = [sched.kv.assign(r, r.kv_len, r.kv_len + spec.room) for r in reqs]
+        round_pages = sched.kv.grow_rounds(reqs, spec.room)
         tree = spec.propose(reqs)
         return ScheduledBatch("verify", reqs, spec.verify_input(reqs, tree), tree=tree, round_pages=round_pages)
 
@@ -134,8 +134,7 @@ class EagleDecoding:
         # device read), then finished requests release (their compacted KV into the
         # prefix cache).
         sched.kv.move_positions(moves)
-        for req, n, pages in zip(reqs, starts, batch.round_pages):
-            sched.kv.trim(req, n, pages)
+        sched.kv.trim_rounds(reqs, starts, batch.round_pages)
         for req, reason in ended:
             sched.running.remove(req)
             out.finished += sched.finish(req, reason)

@@ -62,18 +62,37 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(llama_dir, page_size)
     assert full(kv)
 
 
-def test_trim_gives_back_the_pages_past_the_kept_length(llama_dir):
-    kv = manager(llama_dir, 4)
-    r = req(list(range(6, 14)))
-    kv.reserve(r, 8)
-    new = kv.assign(r, 8, 20)  # a speculative round's tree: 3 more pages
-    assert len(new) == 3 and kv.slots(r, 8, 20)[::4] == [p * 4 for p in new]
-    free = kv.memory_state()["kv_pages_free"]
-    r.kv_len = 10        # two of its positions were accepted
-    kv.trim(r, 8, new)
-    assert kv.memory_state()["kv_pages_free"] == free + 2  # pages of positions 12..19
-    kv.release(r, cache_kv=False)
-    assert full(kv)
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_round_growth_is_per_request_assignment_in_one_upload(llama_dir, page_size):
+    """grow_rounds gives every request of a speculative round the slots assign gives it
+    alone (continuing a partial last page, then new pages), and trim_rounds gives back
+    exactly the pages past each kept length."""
+    room = 12
+    lengths = [8, 1, 13, 16, 5]
+    slots_of = []
+    for batched in (False, True):
+        kv = manager(llama_dir, page_size)
+        reqs = [req(list(range(6, 6 + n))) for n in lengths]
+        for r, n in zip(reqs, lengths):
+            kv.reserve(r, n)
+        free = kv.memory_state()["kv_pages_free"]
+        if batched:
+            new = kv.grow_rounds(reqs, room)
+        else:
+            new = [kv.assign(r, r.kv_len, r.kv_len + room) for r in reqs]
+        assert [len(p) for p in new] == [-(-(n + room) // page_size) - -(-n // page_size) for n in lengths]
+        slots_of.append([kv.slots(r, 0, r.kv_len + room) for r in reqs])
+        assert len({s for slots in slots_of[-1] for s in slots}) == sum(n + room for n in lengths)
+        # Two positions of each round accepted: the pages past them go back.
+        for r in reqs:
+            r.kv_len += 2
+        kv.trim_rounds(reqs, lengths, new)
+        kept = sum(-(-(n + 2) // page_size) - -(-n // page_size) for n in lengths)
+        assert kv.memory_state()["kv_pages_free"] == free - kept
+        for r in reqs:
+            kv.release(r, cache_kv=False)
+        assert full(kv)
+    assert slots_of[0] == slots_of[1]
 
 
 def test_the_memory_budget_covers_the_draft_pools(tmp_path):
