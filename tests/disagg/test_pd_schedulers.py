@@ -15,6 +15,8 @@ import pytest
 
 from pdserve.disagg import local_pair
 from pdserve.disagg.local_pair import build_side
+from pdserve.disagg.manager import LinkConfig
+from pdserve.disagg.rooms import Deadlines
 from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.decode import DecodeScheduler
@@ -278,7 +280,10 @@ def test_a_fault_with_one_request_fails_that_request_only(make_engine, dirs, pha
     served correctly, nothing is leaked and both schedulers go on."""
     ps = prompts(4, seed=9)
     ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
+    # A request decode failed to admit never asks prefill for its KV: prefill's room ends
+    # at its bootstrap deadline, shortened here from 30 s.
+    link = {"link": LinkConfig(deadlines=Deadlines(bootstrapping=3.0))} if phase == "decode-admit" else {}
+    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16}, **link)
     d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
     rooms: list[int] = []
     real_add = d.add
