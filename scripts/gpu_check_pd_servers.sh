@@ -5,8 +5,8 @@
 # has torch (CUDA), triton, transformers, safetensors and tokenizers; what else the
 # servers need travels in the git-ignored .whl/ folder (scripts/gpu_wheels.sh fills it
 # here: the Mooncake non-CUDA wheel, the server's Python dependencies and Debian's
-# libibverbs, ~30 MB; the device call names .whl in `carry`). Prints every result and, when $OUT is set, writes
-# gpu_pd_servers.json / .txt there. Extra arguments go to
+# libibverbs, ~30 MB; the device call names .whl in `carry`). Prints every result and,
+# when $OUT is set, writes gpu_pd_servers.json / .txt there. Extra arguments go to
 # `python3 -m pdserve.bench.gpu_pd_servers` (e.g. --only "1P1D decode-EAGLE").
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
