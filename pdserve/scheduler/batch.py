@@ -60,13 +60,29 @@ class Draws:
     top_logprobs: list[list[float]] | None
     top_ids: list[list[int]] | None
 
+    @staticmethod
+    def pack(result: SampleOutput, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, C] float64 columns of ``result`` (only ``rows``, when given), for one
+        device-to-host read: id, logprob when computed, top logprobs, top ids (ids
+        < 2^31 are exact)."""
+        cols = [result.next_ids.unsqueeze(1)]
+        if result.logprobs is not None:
+            cols.append(result.logprobs.unsqueeze(1))
+        if result.top_logprobs is not None and result.top_ids is not None:
+            cols += [result.top_logprobs, result.top_ids]
+        packed = torch.cat([c.double() for c in cols], dim=1)
+        return packed if rows is None else packed[rows]
+
     @classmethod
-    def unpack(cls, rows: list[list[float]], logprobs: bool, top_k: int) -> "Draws":
-        """From the host rows of ``draw``'s one transfer: [id, logprob?, top_k logprobs, top_k ids]."""
+    def unpack(cls, rows: list[list[float]], result: SampleOutput) -> "Draws":
+        """From the host rows of ``pack(result)``."""
+        logprobs = result.logprobs is not None
+        top_k = result.top_logprobs.shape[1] if result.top_logprobs is not None else 0
+        first_top = 2 if logprobs else 1
         return cls([int(r[0]) for r in rows],
                    [r[1] for r in rows] if logprobs else None,
-                   [r[2:2 + top_k] for r in rows] if top_k else None,
-                   [[int(t) for t in r[2 + top_k:]] for r in rows] if top_k else None)
+                   [r[first_top:first_top + top_k] for r in rows] if top_k else None,
+                   [[int(t) for t in r[first_top + top_k:first_top + 2 * top_k]] for r in rows] if top_k else None)
 
     def append_to(self, req: Req, i: int) -> None:
         """Emit row ``i``'s token as ``req``'s next output token."""
@@ -101,13 +117,8 @@ class Sampler:
         want_lp = any(r.return_logprob for r in owners)
         top_k = max((r.top_logprobs_num for r in owners), default=0)
         result = sample(logits, info, want_lp, top_k)
-        cols = [self.tp.broadcast(result.next_ids).unsqueeze(1)]
-        if result.logprobs is not None:
-            cols.append(result.logprobs.unsqueeze(1))
-        if result.top_logprobs is not None and result.top_ids is not None:
-            cols += [result.top_logprobs, result.top_ids]
-        host = device_io.fetch(torch.cat([c.double() for c in cols], dim=1))
-        return Draws.unpack(host, result.logprobs is not None, top_k if result.top_logprobs is not None else 0)
+        result.next_ids = self.tp.broadcast(result.next_ids)
+        return Draws.unpack(device_io.fetch(Draws.pack(result)), result)
 
     def tree_drawable(self, reqs: Sequence[Req]) -> bool:
         """Whether ``draw_tree`` serves these requests: no grammar (its state along a
@@ -138,10 +149,8 @@ class Sampler:
         info.keys = row_key(seeds.repeat_interleave(nodes), positions.reshape(-1))
         if any(p.needs_penalties for p in ps):
             info.penalties = self._tree_penalties(reqs, tree_tokens, ancestors)
-        elif self.book is not None:
-            self.book.release_finished()
-            if not self.book.held:
-                self.book = None
+        else:
+            self._drop_idle_penalty_state()
         if any(r.num_output_tokens < p.min_new_tokens for r, p in zip(reqs, ps)):
             before_min = (positions < min_new.unsqueeze(1)).reshape(-1, 1)
             info.banned = self.stop_bans(reqs).repeat_interleave(nodes, dim=0) & before_min
@@ -170,6 +179,14 @@ class Sampler:
                          frequency=base.frequency.repeat_interleave(nodes, dim=0),
                          presence=base.presence.repeat_interleave(nodes, dim=0), output_counts=counts, seen=seen)
 
+    def _drop_idle_penalty_state(self) -> None:
+        """A draw without penalties: finished requests' rows go back, and the device state
+        with them once no request holds one."""
+        if self.book is not None:
+            self.book.release_finished()
+            if not self.book.held:
+                self.book = None
+
     def stop_bans(self, reqs: Sequence[Drawable]) -> torch.Tensor:
         """[R, V] bool: the stop tokens (EOS unless ``ignore_eos``, and ``stop_token_ids``)
         of every row still short of its ``min_new_tokens``."""
@@ -196,10 +213,8 @@ class Sampler:
                                   vocab_size, device)
         if any(p.needs_penalties for p in ps):
             info.penalties = self.penalties(reqs)
-        elif self.book is not None:
-            self.book.release_finished()
-            if not self.book.held:
-                self.book = None
+        else:
+            self._drop_idle_penalty_state()
         if any(r.num_output_tokens < r.params.min_new_tokens for r in reqs):
             info.banned = self.stop_bans(reqs)
         info.allowed = self.grammar_masks(reqs)

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.model.attention import RowLayout
-from pdserve.model.device_io import upload, upload_rows
+from pdserve.model.device_io import upload
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.memory import PageAllocator, ReqToTokenPool, TokenToKVPool
@@ -188,48 +188,48 @@ class KVManager:
     def assign(self, req: Req, start: int, end: int) -> list[int]:
         """Give positions [start, end) of ``req`` KV slots (continuing its last page);
         returns the new pages' ids."""
-        ps = self.page_size
-        assert req.row is not None
-        old_pages = pages_for(start, ps)
-        new_ids = self.alloc_page_ids(pages_for(end, ps) - old_pages)
-        new_pages = upload(new_ids, torch.int64, self.device)
-        pos = torch.arange(start, end, device=self.device)
-        page_idx = pos // ps
-        if old_pages:
-            last = self.req_table.table[req.row, (old_pages - 1) * ps] // ps
-            padded = torch.cat([last.view(1), new_pages])
-            page = padded[page_idx - (old_pages - 1)]
-        else:
-            page = new_pages[page_idx]
-        self.req_table.table[req.row, start:end] = page * ps + pos % ps
-        return new_ids
+        return self.assign_many([req], [start], [end])[0]
 
     def grow_rounds(self, reqs: list[Req], room: int) -> list[list[int]]:
         """Positions [kv_len, kv_len + room) of every request get slots (a speculative
-        round: its tree and draft scratch), continuing each last page: the page choices
-        are made on the host and go up in one upload, whatever the batch size. Returns
-        each request's new page ids (what ``trim_rounds`` gives back)."""
-        ps = self.page_size
+        round: its tree and draft scratch); each request's new page ids (what
+        ``trim_rounds`` gives back)."""
         starts = [r.kv_len for r in reqs]
-        counts = [pages_for(n + room, ps) - pages_for(n, ps) for n in starts]
-        ids = iter(self.alloc_page_ids(sum(counts)))
-        new_pages = [[next(ids) for _ in range(c)] for c in counts]
-        rows: list[int] = []
-        positions: list[int] = []
-        last: list[int] = []
-        new_slot: list[int] = []  # the slot in a new page, or 0: the position continues the last page
-        for req, n, pages in zip(reqs, starts, new_pages):
+        return self.assign_many(reqs, starts, [n + room for n in starts])
+
+    def assign_many(self, reqs: list[Req], starts: list[int], ends: list[int]) -> list[list[int]]:
+        """Give each request's positions [start, end) KV slots, continuing its last page
+        (the slots after position start - 1's), then in new pages. The page choices are
+        made on the host per request and go up in one upload; the positions are expanded
+        on the device. Returns each request's new page ids."""
+        ps, b = self.page_size, len(reqs)
+        counts = [pages_for(e, ps) - pages_for(s, ps) for s, e in zip(starts, ends)]
+        ids = self.alloc_page_ids(sum(counts))
+        new_pages, page_base, at = [], [], 0
+        for c in counts:
+            new_pages.append(ids[at: at + c])
+            page_base.append(at)
+            at += c
+        rows = []
+        for req in reqs:
             assert req.row is not None
-            first_new = pages_for(n, ps) * ps  # the first position of the first new page
-            for p in range(n, n + room):
-                rows.append(req.row)
-                positions.append(p)
-                last.append(n - 1)
-                new_slot.append(pages[(p - first_new) // ps] * ps + p % ps if p >= first_new else 0)
-        row_t, pos_t, last_t, new_t = upload_rows([rows, positions, last, new_slot], torch.int64, self.device)
+            rows.append(req.row)
+        lengths = [e - s for s, e in zip(starts, ends)]
+        total = sum(lengths)
+        # One upload: per request (row, start, length, first new page's index), then the
+        # new page ids (plus a 0, so a request without new pages still gathers in range).
+        packed = upload(rows + starts + lengths + page_base + ids + [0], torch.int64, self.device)
+        row_t, start_t, length_t, base_t = packed[: 4 * b].view(4, b)
+        page_ids = packed[4 * b:]
+        owner = torch.repeat_interleave(torch.arange(b, device=self.device), length_t, output_size=total)
+        first = torch.cumsum(length_t, 0) - length_t
+        pos = start_t[owner] + torch.arange(total, device=self.device) - first[owner]
+        row, last = row_t[owner], start_t[owner] - 1
+        first_new = (start_t[owner] + ps - 1) // ps * ps  # the first position of the first new page
+        page = page_ids[(base_t[owner] + (pos - first_new).div(ps, rounding_mode="floor")).clamp(0, len(ids))]
         table = self.req_table.table
-        following = table[row_t, last_t.clamp(min=0)] + (pos_t - last_t)
-        table[row_t, pos_t] = torch.where(new_t > 0, new_t, following)
+        following = table[row, last.clamp(min=0)] + (pos - last)
+        table[row, pos] = torch.where(pos >= first_new, page * ps + pos % ps, following)
         return new_pages
 
     def trim_rounds(self, reqs: list[Req], starts: list[int], new_pages: list[list[int]]) -> None:

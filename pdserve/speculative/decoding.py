@@ -153,16 +153,10 @@ class EagleDecoding:
         self._compact(reqs, starts, path, lengths)
         width = path.shape[1]
         flat = (path + torch.arange(b, device=path.device).unsqueeze(1) * nodes).reshape(-1)
-        cols = [result.next_ids[flat].unsqueeze(1)]
-        if result.logprobs is not None:
-            cols.append(result.logprobs[flat].unsqueeze(1))
-        top_k = 0
-        if result.top_logprobs is not None and result.top_ids is not None:
-            cols += [result.top_logprobs[flat], result.top_ids[flat]]
-            top_k = result.top_logprobs.shape[1]
-        cols += [path.reshape(-1, 1), lengths.repeat_interleave(width).unsqueeze(1)]
-        host = device_io.fetch(torch.cat([c.double() for c in cols], dim=1))
-        draws = Draws.unpack([r[:-2] for r in host], result.logprobs is not None, top_k)
+        # The paths' draws, then each row's node and its path's length: one read.
+        extra = torch.stack([path.reshape(-1), lengths.repeat_interleave(width)], dim=1).double()
+        host = device_io.fetch(torch.cat([Draws.pack(result, flat), extra], dim=1))
+        draws = Draws.unpack([r[:-2] for r in host], result)
         paths = []
         for i in range(b):
             length = int(host[i * width][-1])

@@ -31,8 +31,7 @@ if TYPE_CHECKING:
 
 
 class DraftGraphs:
-    def __init__(self, worker: "EagleWorker", padding_row: int, max_bs: int, hidden_size: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, worker: "EagleWorker", padding_row: int, max_bs: int) -> None:
         self.worker = worker
         self.padding_row = padding_row
         self.sizes = capture_sizes(max_bs)
@@ -44,7 +43,8 @@ class DraftGraphs:
         self.root = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.topk_index = torch.zeros(self.max_bs, k, dtype=torch.int64, device=device)
         self.topk_p = torch.zeros(self.max_bs, k, dtype=torch.float32, device=device)
-        self.hidden = torch.zeros(self.max_bs, hidden_size, dtype=dtype, device=device)
+        carried = worker.carried_hidden  # the draft's hidden state: its width and dtype
+        self.hidden = torch.zeros(self.max_bs, carried.shape[1], dtype=carried.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, "DraftTree"] = {}
 

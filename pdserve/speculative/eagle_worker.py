@@ -107,7 +107,6 @@ class EagleWorker:
         self.draft.bind(self.backend,
                         RotaryEmbedding(lay.head_dim, runner.context_len + self.room, lay.rope).to(self.device))
         self.req_to_token: torch.Tensor | None = None
-        self.runner_dtype = runner.dtype
         self.graphs: "DraftGraphs | None" = None
         self.num_verify_rounds = 0
         self.num_emitted_tokens = 0
@@ -139,7 +138,7 @@ class EagleWorker:
         rows, dev = req_to_token.shape[0], self.device
         self.carried_p = torch.zeros(rows, self.topk, dtype=torch.float32, device=dev)
         self.carried_index = torch.zeros(rows, self.topk, dtype=torch.int64, device=dev)
-        self.carried_hidden = torch.zeros(rows, self.config.hidden_size, dtype=self.runner_dtype, device=dev)
+        self.carried_hidden = torch.zeros(rows, self.config.hidden_size, dtype=self.features.dtype, device=dev)
 
     def carried(self, req: Req) -> CarriedState:
         """A copy of what ``req`` carries into its next round (its row's state)."""
@@ -215,7 +214,7 @@ class EagleWorker:
         if self.backend.name != "triton":
             raise ValueError("the draft's CUDA graphs need --attention-backend triton")
         assert self.req_to_token is not None, "bind() first"
-        self.graphs = DraftGraphs(self, padding_row, max_bs, self.config.hidden_size, self.runner_dtype)
+        self.graphs = DraftGraphs(self, padding_row, max_bs)
         if capture:
             self.graphs.capture()
 

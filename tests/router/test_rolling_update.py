@@ -210,6 +210,17 @@ def test_rolling_update_under_load(deployment):
             wait_until(lambda: admin.get(worker_path(server.url), timeout=10).status_code == 404, 60.0,
                        what=lambda: f"{server.url} removed from the router: {workers().get(server.url)}")
 
+        def replace_delete_first(old: ServerProcess, new: ServerProcess, role: str, name: str,
+                                 **extra: Any) -> None:
+            """The README's order: add the new one, DELETE the old one from the router,
+            then drain it (SIGTERM) while the router's removal waits for its legs."""
+            add(new, role, **extra)
+            delete(old)
+            old.proc.send_signal(signal.SIGTERM)
+            gone_from_router(old)
+            drained(old, f"{name} (DELETE, then SIGTERM)")
+            load.advance(what=f"{name} replaced")
+
         # The undisturbed answers, before the update.
         with httpx.Client(base_url=router.url, timeout=120.0) as c:
             expected = {(p, k): send(c, p, k) for p in PROMPTS for k in KINDS}
@@ -218,14 +229,8 @@ def test_rolling_update_under_load(deployment):
         load.start()
         load.advance(what="before the update")
 
-        # 1. decode 1, the README's order: add the new one, DELETE the old one from the
-        #    router, then drain it (SIGTERM) while the router's removal waits for its legs.
-        add(d3, "decode")
-        delete(d1)
-        d1.proc.send_signal(signal.SIGTERM)
-        gone_from_router(d1)
-        drained(d1, "decode 1 (DELETE, then SIGTERM)")
-        load.advance(what="decode 1 replaced")
+        # 1. decode 1, the README's order.
+        replace_delete_first(d1, d3, "decode", "decode 1")
 
         # Up to here (the README's order) the router never failed a leg nor a probe.
         assert failures() == {c: 0.0 for c in FAILURE_CAUSES}, router.output()[-3000:]
@@ -249,13 +254,8 @@ def test_rolling_update_under_load(deployment):
         delete(d2)
         gone_from_router(d2)
 
-        # 3. prefill: add the new one (its own bootstrap port), DELETE the old one, drain it.
-        add(p1, "prefill", bootstrap_port=boots["p1"])
-        delete(p0)
-        p0.proc.send_signal(signal.SIGTERM)
-        gone_from_router(p0)
-        drained(p0, "prefill 0 (DELETE, then SIGTERM)")
-        load.advance(what="prefill replaced")
+        # 3. prefill, the README's order (the new one with its own bootstrap port).
+        replace_delete_first(p0, p1, "prefill", "prefill 0", bootstrap_port=boots["p1"])
         # Never a failed leg or probe, in either order.
         assert failures() == {c: 0.0 for c in FAILURE_CAUSES}, router.output()[-3000:]
 
