@@ -18,6 +18,7 @@ import torch
 
 from pdserve.chat_templates import BUILTIN_CHAT_TEMPLATES
 from pdserve.disagg.staging import STAGING_MODES, choose_staging
+from pdserve.disagg.transfer import mooncake_reaches_gpu_memory
 from pdserve.server.reasoning import REASONING_PARSERS
 from pdserve.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -266,9 +267,10 @@ class ServerArgs:
             value = getattr(self, name)
             if value not in choices:
                 raise bad(name, f"invalid choice {value!r} (choose from {', '.join(choices)})")
-        if self.disaggregation_mode != "null":
+        if self.disaggregation_mode != "null" and self.disaggregation_transfer_backend == "mooncake":
             try:  # a staging mode the installed transfer engine cannot serve fails here, at startup
-                choose_staging(self.disaggregation_kv_staging, torch.device(self.resolved_device()))
+                choose_staging(self.disaggregation_kv_staging, torch.device(self.resolved_device()),
+                               mooncake_reaches_gpu_memory())
             except ValueError as exc:
                 raise bad("disaggregation_kv_staging", str(exc).split(": ", 1)[1]) from None
         if not 0 <= self.disaggregation_bootstrap_port <= 65535:

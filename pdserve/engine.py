@@ -17,6 +17,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from pdserve.config import ConfigError, ServerArgs
 from pdserve.model.model_config import ModelConfig
 from pdserve.model.parallel import TPGroup, bind_device
@@ -62,6 +64,7 @@ class Engine:
         self.tokenizer_dir = Path(self.args.tokenizer_path) if self.args.tokenizer_path else self.model_dir
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
         self._scheduler: Scheduler | None = None
+        self._closed = False
         self._procs: list[mp.process.BaseProcess] = []
         self._conn: Any = None
         # The list is filled in place, so the finalizer sees the processes started later.
@@ -124,7 +127,25 @@ class Engine:
                 p.join(timeout=5)
 
     def shutdown(self) -> None:
+        """Stop the TP processes, or free the in-process scheduler's device memory
+        (weights, KV pools, CUDA graphs) now, not at some later garbage collection, so
+        another engine in this process can size its KV pool. Idempotent; the engine
+        refuses work afterwards."""
+        self._closed = True
         self._finalizer()
+        sched, self._scheduler = self._scheduler, None
+        if sched is not None:
+            device = sched.device
+            sched.release()
+            del sched  # the last reference: the pools and weights go here
+            if device.type == "cuda":
+                # Hand the freed blocks back to the driver: other processes on this GPU (and
+                # mem_get_info) see them again.
+                torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine has been shut down")
 
     def __enter__(self) -> "Engine":
         return self
@@ -138,6 +159,7 @@ class Engine:
                  input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1
                  ) -> dict[str, Any] | list[dict[str, Any]]:
+        self._check_open()
         b = self.builder
         prompts, single = b.token_ids(prompt, input_ids)
         params = b.sampling_params(sampling_params, len(prompts))
@@ -179,6 +201,7 @@ class Engine:
 
     # ---- inspection -------------------------------------------------------------------
     def flush_cache(self) -> bool:
+        self._check_open()
         if self._scheduler is not None:
             return self._scheduler.flush_cache()
         self._conn.send(Command(flush_cache=True))
@@ -186,6 +209,7 @@ class Engine:
         return bool(payload)
 
     def memory_state(self) -> dict[str, int]:
+        self._check_open()
         if self._scheduler is not None:
             return self._scheduler.memory_state()
         self._conn.send(Command(get_state=True))

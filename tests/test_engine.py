@@ -199,3 +199,54 @@ def test_engine_accepts_path_objects(make_engine):
     assert out["meta_info"]["completion_tokens"] == 6
     assert out["output_ids"] == make_engine(str(demo), max_total_tokens=1024).generate("Repeat: abc", params)[
         "output_ids"]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "eagle_graph_buffers"])
+def test_shutdown_frees_weights_and_kv_pool_without_gc(llama_dir, tmp_path, graphs):
+    """A second engine in this process must find the first's memory free: shutdown leaves
+    no reference cycle holding the scheduler (its decode strategy, the graph runners and
+    the weights' loaders all pointed back), so the KV pool and weights go at once, with
+    the garbage collector off; the process's RSS drops by the pool. A shut-down engine
+    refuses work with a RuntimeError, and shutting down again is a no-op."""
+    import gc
+    import weakref
+
+    import psutil
+
+    from pdserve import Engine
+    from pdserve.testing import build_random_draft
+
+    kwargs: dict = {}
+    if graphs:  # the draft's and the target's static-buffer runners (what CUDA graphs replay)
+        draft = build_random_draft(llama_dir, tmp_path / "draft", "EAGLE")
+        kwargs = dict(attention_backend="triton", speculative_algorithm="EAGLE",
+                      speculative_draft_model_path=str(draft), speculative_num_steps=2, speculative_eagle_topk=1,
+                      speculative_num_draft_tokens=2)
+    # 2 layers x K and V x 2 KV heads x 16 x fp32 = 512 B a token: a 256 MiB pool.
+    engine = Engine(model_path=str(llama_dir), max_total_tokens=1 << 19, max_running_requests=4, **kwargs)
+    sched = engine._scheduler
+    if graphs:
+        sched.runner.enable_decode_graphs(max_bs=2, capture=False)
+        sched.spec.enable_graphs(sched.kv.req_table.padding_row, max_bs=2, capture=False)
+    else:
+        engine.generate(input_ids=PROMPTS[0], sampling_params=dict(GREEDY, max_new_tokens=4))
+    pool = sched.kv.kv_pool
+    pool_bytes = sum(t.numel() * t.element_size() for t in pool.k + pool.v)
+    assert pool_bytes >= 256 << 20
+    alive = [weakref.ref(pool.k[0]), weakref.ref(pool.v[-1]), weakref.ref(sched.runner.model.lm_head.weight),
+             weakref.ref(sched.runner.model.model.layers[0].self_attn.qkv_proj.weight)]
+    del sched, pool
+    gc.collect()  # what the test itself left behind: from here on only shutdown may free
+    rss = psutil.Process().memory_info().rss
+    gc.disable()
+    try:
+        engine.shutdown()
+        assert [r() is None for r in alive] == [True] * len(alive)
+        freed = rss - psutil.Process().memory_info().rss
+    finally:
+        gc.enable()
+    assert freed >= 0.9 * pool_bytes, (freed, pool_bytes)
+    engine.shutdown()
+    for call in (lambda: engine.generate(input_ids=PROMPTS[0]), engine.memory_state, engine.flush_cache):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()

@@ -1,4 +1,4 @@
-"""The two-server GPU proof of disaggregation (scripts/gpu_check_pd_servers.sh; issue 23).
+"""The two-server GPU proof of disaggregation (the servers step of scripts/gpu_proof.sh; issue 23).
 
 Real processes, as users run them: ``pdserve up`` deployments on one device, the
 router in front, KV moving between the servers through Mooncake (the non-CUDA
@@ -86,13 +86,21 @@ def latency_row(m: serving.Metrics) -> dict[str, Any]:
             "accept_length": None if m.accept_length is None else round(m.accept_length, 2)}
 
 
+def check_load(name: str, load: str, m: serving.Metrics) -> None:
+    """A load counts only when every request of it completed."""
+    if m.failed or not m.completed:
+        raise AssertionError(f"{name}: the {load} load had {m.failed} failed and {m.completed} completed requests")
+
+
 def run_deployment(rep: Report, entry: dict[str, Any], name: str, flags: list[str], target: Path,
                    inputs: list[list[int]], reference: list[list[int]] | None, a: argparse.Namespace
                    ) -> list[list[int]]:
     port = free_port("127.0.0.1")
-    server_flags = ["--max-running-requests", "64", "--log-level", "warning"]
-    if a.smoke:
-        server_flags += ["--max-total-tokens", "8192"]
+    # An explicit KV pool: its size is also that of each server's host staging copy
+    # (Mooncake's non-CUDA build reaches host memory only). float32: the greedy
+    # comparison with the colocated server must not hinge on bf16 near-ties.
+    server_flags = ["--max-running-requests", "64", "--log-level", "warning", "--dtype", "float32",
+                    "--max-total-tokens", str(a.max_total_tokens)]
     dep = Deployment(up_args(["--port", str(port), "--model-path", str(target), *flags, *server_flags]),
                      threading.Event())
     try:
@@ -113,12 +121,14 @@ def run_deployment(rep: Report, entry: dict[str, Any], name: str, flags: list[st
         assert mixed.rounds[-1].metrics is not None
         entry["mixed"] = latency_row(mixed.rounds[-1].metrics)
         rep.say(f"{name}: mixed lengths {entry['mixed']}")
+        check_load(name, "mixed lengths", mixed.rounds[-1].metrics)
         turns = serving_load(url, ["--dataset-name", "multiturn", "--num-conversations", str(a.conversations),
                                    "--turns", "3", "--request-rate", "8", "--warmup-requests", "0"])
         second = turns.rounds[-1].metrics
         assert second is not None
         entry["multiturn_round2"] = latency_row(second)
         rep.say(f"{name}: multi-turn round 2 {entry['multiturn_round2']}")
+        check_load(name, "multi-turn", second)
         return outputs
     finally:
         dep.stop()
@@ -129,10 +139,18 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = check_parser(__doc__ or "", "gpu_pd_servers")
     ap.add_argument("--only", default="", help="comma-separated deployment names to run (default: all)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="mixed-length load: requests (default 96)")
+    ap.add_argument("--input-len", type=int, default=None, help="mixed-length load: input length (default 2048)")
+    ap.add_argument("--output-len", type=int, default=None, help="mixed-length load: output length (default 128)")
+    ap.add_argument("--conversations", type=int, default=None, help="multi-turn load: conversations (default 32)")
     a = ap.parse_args(argv)
     a.num_requests, a.max_new_tokens = (4, 8) if a.smoke else (64, 32)
-    a.num_prompts, a.input_len, a.output_len = (6, 48, 8) if a.smoke else (96, 2048, 128)
-    a.conversations = 3 if a.smoke else 32
+    defaults = (6, 48, 8, 3) if a.smoke else (96, 2048, 128, 32)
+    a.num_prompts, a.input_len, a.output_len, a.conversations = (
+        given if given is not None else default for given, default in
+        zip((a.num_prompts, a.input_len, a.output_len, a.conversations), defaults))
+    # Room for 16 concurrent requests of the longest load, and the multi-turn history.
+    a.max_total_tokens = 8192 if a.smoke else max(32768, 24 * (a.input_len + a.output_len))
     rep = Report(a.out, "gpu_pd_servers")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rep.say(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}")

@@ -21,6 +21,7 @@ pdserve with its return code). An MC_LOG_LEVEL the user set wins.
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import logging
 import os
 import threading
@@ -58,6 +59,9 @@ class WriteBatch:
 
 class TransferEngine(Protocol):
     session_id: str
+    # Whether register/write work on device (GPU) memory; when not, the KV is staged
+    # through host copies on a GPU (``choose_staging``).
+    reaches_device_memory: bool
 
     def register(self, ptr: int, length: int) -> None: ...
 
@@ -86,6 +90,16 @@ def _glog_threshold(module_file: str | None) -> ctypes.c_int | None:
         return ctypes.c_int.in_dll(ctypes.CDLL(module_file), _GLOG_MINLOGLEVEL_SYMBOL)
     except (OSError, ValueError):
         return None
+
+
+def mooncake_reaches_gpu_memory() -> bool:
+    """Whether the installed Mooncake build can register GPU memory (the CUDA build is
+    `mooncake-transfer-engine`; `mooncake-transfer-engine-non-cuda` cannot)."""
+    try:
+        importlib.metadata.version("mooncake-transfer-engine")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 class MooncakeTransfer:
@@ -125,6 +139,7 @@ class MooncakeTransfer:
             hint = "" if level == GLOG_INFO else " (--log-level debug shows Mooncake's own messages)"
             raise TransferError(f"Mooncake initialize({host!r}, {protocol}, {device!r}) failed with {rc}{hint}")
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
+        self.reaches_device_memory = mooncake_reaches_gpu_memory()
         self._registered: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
 
@@ -159,9 +174,15 @@ class LocalTransfer:
     tells host from device memory), so buffers may be GPU memory too."""
 
     def __init__(self, name: str = "local") -> None:
+        import torch
+
         self.session_id = name
         self.bytes_written = 0
-        self._copy = _cuda_memcpy() or ctypes.memmove
+        cuda_copy = _cuda_memcpy()
+        self._copy = cuda_copy or ctypes.memmove
+        # memmove reaches device memory only where there is none (a CPU-only torch); with
+        # CUDA present but not initialized yet, GPU pointers would crash it.
+        self.reaches_device_memory = cuda_copy is not None or not torch.cuda.is_available()
 
     def register(self, ptr: int, length: int) -> None:
         pass
@@ -171,8 +192,49 @@ class LocalTransfer:
             self._copy(d, s, n)
         self.bytes_written += batch.nbytes
 
+    def close(self) -> None:
+        pass
+
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+
+
+def cudart_candidates(maps_text: str, cuda_version: str | None) -> list[str]:
+    """Where to find the CUDA runtime torch uses, best first: the libcudart already
+    mapped into this process (``maps_text``: /proc/self/maps), then the soname of
+    torch's CUDA major version (a cu130 torch ships libcudart.so.13, a cu12x one .12)."""
+    out: list[str] = []
+    for line in maps_text.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode path (which may hold spaces)
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if os.path.basename(path).startswith("libcudart.so") and path not in out:
+            out.append(path)
+    if cuda_version:
+        out.append(f"libcudart.so.{cuda_version.split('.')[0]}")
+    return out
+
+
+def load_cudart() -> ctypes.CDLL:
+    """The CUDA runtime library torch loaded (the same one, so its context is shared)."""
+    import torch
+
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        maps = ""
+    tried = cudart_candidates(maps, torch.version.cuda)
+    if not tried:
+        raise TransferError("cannot find the CUDA runtime torch uses: no libcudart is mapped into this "
+                            "process and torch.version.cuda is unset")
+    errors: list[str] = []
+    for name in tried:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(f"{name} ({exc})")
+    raise TransferError(f"cannot load the CUDA runtime torch uses (CUDA {torch.version.cuda}); tried "
+                        + "; ".join(errors))
 
 
 def _cuda_memcpy() -> Callable[[int, int, int], None] | None:
@@ -181,7 +243,7 @@ def _cuda_memcpy() -> Callable[[int, int, int], None] | None:
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
-    cudart = ctypes.CDLL("libcudart.so.12")  # already loaded by torch: the same library
+    cudart = load_cudart()
     cudart.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
     def copy(dst: int, src: int, n: int) -> None:
@@ -189,9 +251,6 @@ def _cuda_memcpy() -> Callable[[int, int, int], None] | None:
         if rc != 0:
             raise TransferError(f"cudaMemcpy of {n} bytes failed with CUDA error {rc}")
     return copy
-
-    def close(self) -> None:
-        pass
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int], length: int) -> WriteBatch:

@@ -87,6 +87,7 @@ class DecodeGraphs:
         return RowLayout(self.rows[:size], self.prefix_lens[:size], self.ones[:size],
                          (self.padding_row,) * size, (0,) * size, (1,) * size)
 
+    @torch.inference_mode()  # as captured (``capture_each``): no autograd state in the logits
     def run(self, input_ids: torch.Tensor, layout: RowLayout) -> torch.Tensor:
         """Logits [B, V] of a decode batch: a graph replay where one was captured."""
         bs = layout.batch_size
@@ -109,23 +110,28 @@ def capture_each(sizes: list[int], forward: Callable[[int], Any], device: torch.
     """One CUDA graph per size of ``forward(size)`` (a forward over static buffers),
     largest first, sharing one memory pool; each after a warm-up run outside capture
     (kernel compilation and allocations happen there). Returns the graphs and the
-    outputs each one refills on replay."""
+    outputs each one refills on replay.
+
+    Captured under inference mode: with autograd on, each captured output would keep the
+    autograd graph of its forward (and its saved activations) alive in the graph's pool,
+    whenever a parameter requires grad."""
     assert device.type == "cuda", "CUDA graphs need a CUDA device"
     before = torch.cuda.memory_allocated(device)
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, Any] = {}
     pool = None
     stream = torch.cuda.Stream(device)
-    for size in reversed(sizes):
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            forward(size)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs[size] = forward(size)
-        pool = graph.pool()
-        graphs[size] = graph
+    with torch.inference_mode():
+        for size in reversed(sizes):
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                forward(size)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[size] = forward(size)
+            pool = graph.pool()
+            graphs[size] = graph
     torch.cuda.synchronize(device)
     taken = (torch.cuda.memory_allocated(device) - before) / 2**20
     logger.info("CUDA graphs captured for %s batch sizes %s (%.0f MiB)", what, sizes, taken)

@@ -146,7 +146,8 @@ def build_model(factory: Callable[[], M], model_dir: Path, device: torch.device 
 
     Every parameter is then written by the checkpoint (or reported missing: an error,
     so no uninitialised memory is ever used); the only values no checkpoint tensor
-    covers, LMHead's vocabulary padding rows, are zeroed explicitly.
+    covers, LMHead's vocabulary padding rows, are zeroed explicitly. The parameters
+    come back frozen (``requires_grad`` False) and without their ``weight_loader``.
 
     ``random_weights`` (``--load-format dummy``) skips the checkpoint: seeded random
     matrices, unit norms, zero biases; for benchmarks at a real model's shapes."""
@@ -160,6 +161,11 @@ def build_model(factory: Callable[[], M], model_dir: Path, device: torch.device 
     for module in model.modules():
         if isinstance(module, LMHead):  # rows past the vocabulary (TP padding): never loaded
             module.weight.data[module.hi - module.lo:].zero_()
+    # Each loader closes over its parameter (a reference cycle): kept, they would hold
+    # the weights past the model's last reference until a garbage collection, so a
+    # shut-down engine's device memory would not come back at once.
+    for param in model.parameters():
+        param.__dict__.pop("weight_loader", None)
     return model
 
 
@@ -179,7 +185,8 @@ def fill_random(model: nn.Module, seed: int = 0) -> None:
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """`Module.to_empty(device=...)` for a model built on the meta device, with floating
-    parameters in ``dtype``, keeping every Parameter *object*.
+    parameters in ``dtype`` and frozen (``requires_grad`` False), keeping every
+    Parameter *object*.
 
     Plain ``to_empty`` replaces each Parameter with a new one: its ``weight_loader``
     (whose closure holds the old, meta parameter) would be lost or, re-attached, write
@@ -196,8 +203,9 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
             raise TypeError(f"{type(model).__name__}.{name} was not constructed on the meta device "
                             f"(it is on {param.device}); construct parameters without an explicit device")
         target = dtype if param.is_floating_point() else param.dtype
-        storage = nn.Parameter(torch.empty(param.shape, dtype=target, device=device),
-                               requires_grad=param.requires_grad)
+        # Never trained here: with requires_grad, every forward outside inference mode
+        # (a CUDA graph's capture) would record autograd state and keep it alive.
+        storage = nn.Parameter(torch.empty(param.shape, dtype=target, device=device), requires_grad=False)
         attrs = dict(param.__dict__)  # weight_loader: swap_tensors swaps __dict__ too
         torch.utils.swap_tensors(param, storage)
         param.__dict__.update(attrs)

@@ -47,7 +47,7 @@ class DecodeScheduler(Scheduler):
                  engine: object, fetch_ranks: Callable[[str], list[P.RankInfo]], tp: TPGroup = TPGroup(),
                  host: str = "127.0.0.1", link: LinkConfig = LinkConfig()) -> None:
         super().__init__(args, runner, decode_text, tp)
-        self.staging = transfer_staging(self)
+        self.staging = transfer_staging(self, engine)  # type: ignore[arg-type]
         layout = kv_layout(self, with_features=True)
         register_buffers(engine, layout)
         self.manager = DecodeTransferManager(engine, compat_record(self), layout, tp.rank, tp.size,  # type: ignore
@@ -268,3 +268,5 @@ class DecodeScheduler(Scheduler):
 
     def close(self) -> None:
         self.manager.close()
+        if self.staging is not None:
+            self.staging.close()

@@ -26,6 +26,7 @@ import torch
 
 from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, HeadRange, KVLayout, kv_head_range
 from pdserve.disagg.staging import HostStaging, choose_staging
+from pdserve.disagg.transfer import TransferEngine
 from pdserve.model.parallel import TPGroup
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 
@@ -163,10 +164,10 @@ def compat_record(sched: "Scheduler") -> CompatRecord:
         feature_width=spec.config.feature_width if spec is not None else 0, tp_size=sched.tp.size)
 
 
-def transfer_staging(sched: "Scheduler") -> HostStaging | None:
-    """Host twins of the transfer buffers when the engine cannot reach the device's
+def transfer_staging(sched: "Scheduler", engine: TransferEngine) -> HostStaging | None:
+    """Host twins of the transfer buffers when ``engine`` cannot reach the device's
     memory (``--disaggregation-kv-staging``); None: the buffers are registered as they are."""
-    mode = choose_staging(sched.args.disaggregation_kv_staging, sched.device)
+    mode = choose_staging(sched.args.disaggregation_kv_staging, sched.device, engine.reaches_device_memory)
     logger.info("KV transfer: %s", "device buffers registered directly" if mode == "direct" else
                 "staged through host copies of the KV buffers")
     return HostStaging() if mode == "host" else None
@@ -184,9 +185,13 @@ def kv_layout(sched: "Scheduler", with_features: bool) -> KVLayout:
     """The named buffers of this rank: target KV (head-sharded) and, with a draft,
     the target-feature pool (one row per slot)."""
     heads = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
-    specs = [buffer_spec(sched, name, t, heads) for name, t in sched.kv.kv_pool.buffers().items()]
-    if with_features and sched.spec is not None:
-        specs.append(buffer_spec(sched, "features", sched.spec.features))
+    kv = sched.kv.kv_pool.buffers()
+    features = {"features": sched.spec.features} if with_features and sched.spec is not None else {}
+    staging: HostStaging | None = getattr(sched, "staging", None)
+    if staging is not None:  # all twins at once: the host must hold them together
+        staging.twins({**kv, **features})
+    specs = [buffer_spec(sched, name, t, heads) for name, t in kv.items()]
+    specs += [buffer_spec(sched, name, t) for name, t in features.items()]
     return KVLayout(sched.page_size, tuple(specs))
 
 

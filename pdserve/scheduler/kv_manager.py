@@ -50,9 +50,12 @@ class MemoryBudgetError(ValueError):
 MIN_HEADROOM_BYTES = 1 << 30
 
 
-def device_kv_budget(free: int, total: int, held: int, fraction: float) -> int:
+def device_kv_budget(free: int, total: int, held: int, fraction: float, cached: int = 0) -> int:
     """Bytes for the KV pools of a server on a device of ``total`` bytes, ``free`` of
-    them free now, ``held`` already taken by this process (weights, buffers).
+    them free now, ``held`` already taken by this process (weights, buffers), ``cached``
+    reserved by this process's caching allocator but unallocated (tensors freed since, a
+    shut-down engine's pools): the driver counts those as used, yet this process can
+    allocate them, so they count as free.
 
     ``--mem-fraction-static`` is the share of the whole device the server's static
     memory (weights + KV pools) may take, as in SGLang, so servers sharing one GPU
@@ -60,6 +63,7 @@ def device_kv_budget(free: int, total: int, held: int, fraction: float) -> int:
     first. Refused when the share is smaller than the weights or larger than what is
     free now (another process holds the rest)."""
     gib = 2 ** 30
+    free += cached
     budget = int(total * fraction) - held
     if budget <= 0:
         raise MemoryBudgetError(
@@ -78,9 +82,16 @@ def device_kv_budget(free: int, total: int, held: int, fraction: float) -> int:
     return budget
 
 
+def cached_bytes(device: torch.device) -> int:
+    """Memory of a CUDA device this process's caching allocator holds reserved but
+    unallocated: busy to the driver (``mem_get_info``), free to this process."""
+    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def device_free_bytes(device: torch.device) -> int | None:
-    """Free memory of a CUDA device now (None for the CPU, whose budget is a flag)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    """Memory of a CUDA device this process can allocate now, the allocator's unused
+    reservations included (None for the CPU, whose budget is a flag)."""
+    return torch.cuda.mem_get_info(device)[0] + cached_bytes(device) if device.type == "cuda" else None
 
 
 def size_kv_pages(args: ServerArgs, runner: ModelRunner, tp: TPGroup, slot_followers_bytes: int = 0) -> int:
@@ -96,7 +107,7 @@ def size_kv_pages(args: ServerArgs, runner: ModelRunner, tp: TPGroup, slot_follo
         if runner.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(runner.device)
             budget = device_kv_budget(free, total, torch.cuda.memory_allocated(runner.device),
-                                      args.mem_fraction_static)
+                                      args.mem_fraction_static, cached_bytes(runner.device))
         else:
             budget = args.cpu_kv_budget_gb * (1 << 30) * args.mem_fraction_static
         # No point holding more than every request slot filled to the context.

@@ -34,6 +34,7 @@ from pdserve.disagg.bootstrap import BootstrapServer
 from pdserve.disagg.layout import BufferSpec, HandshakeError, kv_head_range
 from pdserve.disagg.manager import LinkConfig, PrefillTransferManager
 from pdserve.disagg.rooms import RoomError, RoomState
+from pdserve.disagg.staging import StagingMemoryError
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput
@@ -67,7 +68,7 @@ class PrefillScheduler(Scheduler):
         self.bootstrap: BootstrapServer | None = None  # rank 0 of a prefill server runs the registry
         # Features are published per decode peer (provide_features), not up front:
         # which layers they hold is the decode draft's choice.
-        self.staging = transfer_staging(self)
+        self.staging = transfer_staging(self, engine)  # type: ignore[arg-type]
         layout = kv_layout(self, with_features=False)
         register_buffers(engine, layout)
         self.engine = engine
@@ -106,7 +107,10 @@ class PrefillScheduler(Scheduler):
                 self.feature_sink = (tuple(layers), pool)
                 self.kv.followers.append(_FeatureRows(pool))  # a fork's copied page keeps its features
             if self.staging is not None:
-                pool = self.staging.twin("features", pool)
+                try:
+                    pool = self.staging.twin("features", pool)
+                except StagingMemoryError as exc:
+                    raise HandshakeError(f"decode's draft needs target features: {exc}") from None
             if not self._features_registered:  # Mooncake writes only from registered memory
                 self.engine.register(pool.data_ptr(), pool.numel() * pool.element_size())  # type: ignore
                 self._features_registered = True
@@ -377,5 +381,7 @@ class PrefillScheduler(Scheduler):
 
     def close(self) -> None:
         self.manager.close()
+        if self.staging is not None:
+            self.staging.close()
         if self.bootstrap is not None:
             self.bootstrap.close()

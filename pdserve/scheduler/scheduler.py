@@ -270,3 +270,19 @@ class Scheduler(FaultIsolation, Admission):
 
     def memory_state(self) -> dict[str, int]:
         return self.kv.memory_state()
+
+    # ---- teardown ------------------------------------------------------------------------
+    def release(self) -> None:
+        """Break the reference cycles through this scheduler (the decode strategy points
+        back at it, graph runners at their runner and worker) and stop the grammar
+        compiler, so that once its owner drops it, reference counting alone frees the
+        weights, KV pools and CUDA graphs: a garbage collection may come much later, and
+        until then another engine in this process finds the device memory taken. The
+        scheduler is unusable afterwards."""
+        del self.decoding
+        self.runner.decode_graphs = None
+        if self.spec is not None:
+            self.spec.graphs = None
+        if self.grammars is not None:
+            self.grammars.close()
+            self.grammars = None

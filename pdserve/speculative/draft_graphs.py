@@ -60,6 +60,7 @@ class DraftGraphs:
         return w.grow_tree(tree_round, rows, kv_lens, self.root[:size], self.topk_index[:size],
                            self.topk_p[:size], self.hidden[:size])
 
+    @torch.inference_mode()  # as captured (``capture_each``): no autograd state in the tree
     def run(self, rows: torch.Tensor, kv_lens: torch.Tensor, root: torch.Tensor, topk_index: torch.Tensor,
             topk_p: torch.Tensor, hidden: torch.Tensor) -> "DraftTree":
         """The round's tree for a batch of B requests (inputs as ``grow_tree`` takes

@@ -18,12 +18,12 @@ from tests.disagg.test_pd_schedulers import GREEDY, dirs, pools_full, prompts, r
 
 def test_the_mode_is_chosen_at_startup_and_impossible_ones_are_refused():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert choose_staging("auto", cpu) == "direct" and choose_staging("host", cpu) == "host"
-    assert choose_staging("auto", gpu, gpu_capable=True) == "direct"
-    assert choose_staging("auto", gpu, gpu_capable=False) == "host"
-    assert choose_staging("host", gpu, gpu_capable=True) == "host"
+    assert choose_staging("auto", cpu, False) == "direct" and choose_staging("host", cpu, True) == "host"
+    assert choose_staging("auto", gpu, reaches_device_memory=True) == "direct"
+    assert choose_staging("auto", gpu, reaches_device_memory=False) == "host"
+    assert choose_staging("host", gpu, reaches_device_memory=True) == "host"
     with pytest.raises(ValueError, match="--disaggregation-kv-staging direct: .*non-cuda"):
-        choose_staging("direct", gpu, gpu_capable=False)
+        choose_staging("direct", gpu, reaches_device_memory=False)
     with pytest.raises(ConfigError, match="--disaggregation-kv-staging"):
         ServerArgs(disaggregation_kv_staging="pinned")
     assert ServerArgs.from_cli(["--disaggregation-mode", "decode", "--disaggregation-kv-staging", "host"]
@@ -35,8 +35,9 @@ def test_host_staging_copies_exactly_the_named_slots():
     staging = HostStaging()
     twin = staging.twin("kv", device_buf)
     assert twin.data_ptr() != device_buf.data_ptr() and twin.shape == device_buf.shape
+    twin.fill_(-7.0)  # a twin starts uninitialized: its other slots are never read
     staging.stage_out([2, 7])
-    assert torch.equal(twin[[2, 7]], device_buf[[2, 7]]) and not twin[[0, 1, 3, 4, 5, 6, 8, 9]].any()
+    assert torch.equal(twin[[2, 7]], device_buf[[2, 7]]) and (twin[[0, 1, 3, 4, 5, 6, 8, 9]] == -7).all()
     twin[5] = -1.0
     staging.stage_in([5])
     assert (device_buf[5] == -1).all() and device_buf[4, 0] == 16.0

@@ -315,6 +315,18 @@ def test_runner_builds_in_its_dtype(model_dirs):
     assert runner.rotary.cos.dtype == torch.float32  # the rotary table stays fp32 (outside the model)
 
 
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+@pytest.mark.parametrize("name", ["llama_tied", "qwen3_moe"])
+def test_runner_weights_are_frozen(model_dirs, name, load_format):
+    """No parameter requires grad, whether loaded or random (--load-format dummy): a
+    forward outside inference mode (a CUDA graph's capture) would otherwise record
+    autograd state in its outputs."""
+    d = model_dirs(name)
+    runner = ModelRunner(ServerArgs(model_path=str(d), max_total_tokens=256, load_format=load_format), d, TPGroup())
+    params = dict(runner.model.named_parameters())
+    assert params and [n for n, p in params.items() if p.requires_grad] == []
+
+
 def _old_draft(draft_dir: Path, cfg: DraftConfig, target: nn.Module, dtype: torch.dtype) -> EagleDraftModel:
     model = EagleDraftModel(cfg, target.model.embed_tokens, target.lm_head)
     load_weights(model, draft_dir, rename=EagleDraftModel.checkpoint_name)

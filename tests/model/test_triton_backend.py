@@ -298,3 +298,31 @@ def test_draft_tree_static_buffers_pad_and_keep_the_trees(make_engine, tmp_path_
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in direct] == plain
     assert ([o["meta_info"]["spec_accepted_drafts"] for o in outs]
             == [o["meta_info"]["spec_accepted_drafts"] for o in direct])
+
+
+def test_draft_tree_static_buffers_record_no_autograd(make_engine, tmp_path_factory):
+    """The draft's graphable round (what a CUDA graph captures; run eagerly here), called
+    outside the scheduler's inference mode, runs in inference mode with frozen weights: no
+    draft forward's output carries autograd state."""
+    target = build_random_model(tmp_path_factory.mktemp("gnt"), "llama", num_layers=2)
+    draft = build_random_draft(target, tmp_path_factory.mktemp("gnd") / "e", "EAGLE", seed=1)
+    engine = make_engine(target, attention_backend="triton", speculative_algorithm="EAGLE",
+                         speculative_draft_model_path=str(draft), speculative_num_steps=3,
+                         speculative_eagle_topk=2, speculative_num_draft_tokens=4, max_total_tokens=1024)
+    spec = engine._scheduler.spec
+    pad = engine._scheduler.kv.req_table.padding_row
+    spec.enable_graphs(pad, max_bs=2, capture=False)
+    seen: list[tuple[bool, bool]] = []
+    real = spec.draft.forward
+
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+        h = real(*args, **kwargs)
+        seen.append((torch.is_inference_mode_enabled(), h.requires_grad))
+        return h
+    spec.draft.forward = recording
+    # Two padding rows with no prefix: they read and write only the padding slot.
+    b, k, width = 2, spec.topk, spec.carried_hidden.shape[1]
+    tree = spec.graphs.run(torch.full((b,), pad), torch.zeros(b, dtype=torch.int64), torch.tensor([7, 8]),
+                           torch.tensor([[9, 10], [11, 12]]), torch.full((b, k), 0.5), torch.randn(b, width))
+    assert tree.tokens.shape == (b, 4)
+    assert seen and seen == [(True, False)] * len(seen)

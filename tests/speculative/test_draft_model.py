@@ -177,3 +177,14 @@ def test_bad_drafts_are_refused(tmp_path, target_dir, runner):
     _edit_config(eagle3, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]})
     with pytest.raises(DraftConfigError, match="target layers"):
         DraftConfig.from_dir(eagle3, "EAGLE3", runner.config)
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_loaded_draft_is_frozen(tmp_path, target_dir, runner, algo):
+    """The draft's own parameters (EAGLE3's d2t included) and the target's it shares
+    require no grad: the draft's CUDA graphs record its forwards."""
+    run = DraftRun(runner, _draft(tmp_path, target_dir, algo, draft_vocab_size=40), algo)
+    params = dict(run.model.named_parameters())
+    shared = [p for m in run.model._shared for p in m.parameters()]
+    assert params and shared
+    assert [n for n, p in params.items() if p.requires_grad] == [] and not any(p.requires_grad for p in shared)
