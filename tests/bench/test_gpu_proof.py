@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.gpu_proof import STEP_NAMES, Step, run_all
+from tests.network import pypi_reachable
 
 
 def step(name: str, function: str, limit: int = 60, **kw: object) -> Step:
@@ -85,16 +86,6 @@ def test_the_runner_fits_eight_files_and_nine_minutes():
     assert len(STEP_NAMES) + 1 <= 8
     essential_path = sum(s.gpu_limit_s for s in STEPS if s.name != "servers")
     assert essential_path <= 510 - 60  # the servers step still gets its minimum
-
-
-def pypi_reachable() -> bool:
-    import urllib.request
-
-    try:
-        urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=5).close()
-        return True
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not pypi_reachable(), reason="needs PyPI (https://pypi.org) to resolve the carried wheels")

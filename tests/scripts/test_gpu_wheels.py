@@ -11,11 +11,12 @@ import os
 import shutil
 import subprocess
 import sys
-import urllib.request
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.network import pypi_reachable
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -288,14 +289,6 @@ def test_gpu_env_fails_loudly_when_pip_does(mirror, tmp_path):
     proc = source_gpu_env({"PDSERVE_WHEELS": str(tmp_path), "PDSERVE_PYTHON": str(mirror),
                            "PDSERVE_SITE": str(tmp_path / "site")})
     assert "rc=1 " in proc.stdout and "pdserve env: FAILED" in proc.stderr, proc.stdout + proc.stderr
-
-
-def pypi_reachable() -> bool:
-    try:
-        urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=5).close()
-        return True
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not pypi_reachable(), reason="needs PyPI (https://pypi.org) to download the wheels")
