@@ -121,7 +121,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
-    # Protects the admin routes (/abort_request, /flush_cache) when given.
+    # Protects the admin routes (/abort_request, /flush_cache, /drain) when given; without
+    # it they answer only loopback clients (pdserve/server/http_front.py KeyCheck).
     admin_api_key: str | None = None
     # The model's names (vLLM's repeatable flag): the first is the one responses and
     # /v1/models report; requests may name any of them, or "default". Empty: the model
@@ -129,8 +130,15 @@ class ServerArgs:
     served_model_name: tuple[str, ...] = ()
     # Bodies above this are refused with 413 before they are parsed.
     max_request_bytes: int = 8 << 20
+    # Prompt logprobs (/generate logprob_start_len, completions echo + logprobs) a request
+    # may ask for, in response entries: prompt tokens x (1 + top logprobs) x samples. A
+    # small body could otherwise ask for a response thousands of times its size.
+    max_prompt_logprob_entries: int = 1 << 18
     # A client must deliver its request headers and body within this many seconds.
     request_read_timeout: float = 10.0
+    # A client that takes none of its response for this many seconds (its connection's
+    # buffers full) is dropped and its request aborted, as nginx's send_timeout.
+    send_timeout: float = 60.0
     # Drain (SIGTERM or POST /drain): in-flight requests get this many seconds to finish
     # (SGLang's flag name); the rest are then aborted with an error and the process exits 0.
     graceful_shutdown_timeout: float = 30.0
@@ -149,6 +157,17 @@ class ServerArgs:
     # Reads tool calls out of a chat answer in the model's own format (SGLang's names:
     # pdserve/server/tool_calls.py), for `tool_choice: auto`. None: auto tool calling is refused.
     tool_call_parser: str | None = None
+    # Constrained decoding (issue 39): a json_schema / regex / ebnf above this many bytes,
+    # or nested deeper than this (JSON arrays and objects; regex / EBNF parentheses), is a
+    # 400 before it is parsed (xgrammar's parse time grows with the cube of the depth).
+    grammar_max_bytes: int = 1 << 20
+    grammar_max_depth: int = 64
+    # Longest a grammar may take to parse (HTTP process) and to compile (scheduler), each;
+    # past it the request fails alone, naming this flag, and the compile is stopped.
+    grammar_compile_timeout: float = 30.0
+    # Bytes of parsed (HTTP process) and of compiled grammars (each scheduler) kept for
+    # reuse; least recently used first out; /flush_cache empties them.
+    grammar_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -217,12 +236,24 @@ class ServerArgs:
             raise bad("port", f"must be in [0, 65535], got {self.port}")
         if self.max_request_bytes < 1024:
             raise bad("max_request_bytes", f"must be >= 1024, got {self.max_request_bytes}")
+        if self.max_prompt_logprob_entries < 0:
+            raise bad("max_prompt_logprob_entries", f"must be >= 0, got {self.max_prompt_logprob_entries}")
         if self.request_read_timeout <= 0:
             raise bad("request_read_timeout", f"must be > 0, got {self.request_read_timeout}")
+        if not 0 < self.send_timeout < float("inf"):
+            raise bad("send_timeout", f"must be > 0 and finite, got {self.send_timeout}")
         if self.graceful_shutdown_timeout < 0:
             raise bad("graceful_shutdown_timeout", f"must be >= 0, got {self.graceful_shutdown_timeout}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise bad("max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
+        if self.grammar_max_bytes < 1:
+            raise bad("grammar_max_bytes", f"must be >= 1, got {self.grammar_max_bytes}")
+        if self.grammar_max_depth < 1:
+            raise bad("grammar_max_depth", f"must be >= 1, got {self.grammar_max_depth}")
+        if not 0 < self.grammar_compile_timeout < float("inf"):
+            raise bad("grammar_compile_timeout", f"must be > 0 and finite, got {self.grammar_compile_timeout}")
+        if self.grammar_cache_bytes < 0:
+            raise bad("grammar_cache_bytes", f"must be >= 0 (0: no cache), got {self.grammar_cache_bytes}")
         if self.log_level not in ("debug", "info", "warning", "error", "critical"):
             raise bad("log_level", f"invalid choice {self.log_level!r} (debug, info, warning, error, critical)")
         if self.model_path is not None and not os.path.isdir(self.model_path):

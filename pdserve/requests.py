@@ -55,6 +55,16 @@ def sample_seed(base: int, index: int) -> int:
     return random.Random(f"{base}:{index}").getrandbits(63)
 
 
+def prompt_logprob_entries(prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams], start: int,
+                           top_logprobs_num: int) -> int:
+    """How many logprob entries the prompts' logprobs take in the response: each prompt
+    token from `start` on has its logprob and `top_logprobs_num` alternatives, repeated in
+    the result of every sample (`n`)."""
+    if start < 0:
+        return 0
+    return sum((len(ids) - start) * (1 + top_logprobs_num) * p.n for ids, p in zip(prompts, params))
+
+
 def check_text(text: str, field_name: str) -> None:
     """Refuse text that is not valid Unicode (a lone surrogate such as "\\ud800", which
     JSON can carry): the tokenizer would fail on it with a TypeError."""
@@ -134,6 +144,12 @@ class RequestBuilder:
             raise ValueError(f"{field_name}: prompt ({len(ids)} tokens) + {field_name} "
                              f"({p.max_new_tokens}) exceeds the context length {self.context_len}")
 
+    def check_stop_token_ids(self, p: SamplingParams) -> None:
+        """Stop token ids must be the model's (SamplingParams checked their count and type)."""
+        bad = next((t for t in p.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
     @staticmethod
     def check_logprob_args(return_logprob: Any, top_logprobs_num: Any) -> None:
         if not isinstance(return_logprob, bool):
@@ -156,18 +172,29 @@ class RequestBuilder:
     def build(self, prompts: list[list[int]], params: list[SamplingParams], return_logprob: Any,
               top_logprobs_num: Any, rids: list[str] | None = None,
               bootstrap: list[tuple[Bootstrap, ...]] | None = None, names: ApiFields = NATIVE_FIELDS,
-              logprob_start_len: Any = -1) -> list[NewRequest]:
+              logprob_start_len: Any = -1, max_prompt_logprob_entries: int | None = None,
+              prompt_logprobs_field: str = "logprob_start_len") -> list[NewRequest]:
         """Check what the prompts ask for as a whole and build one message per prompt.
         ``bootstrap``: per prompt, one address per sample (see `bootstrap_addresses`).
-        ``logprob_start_len`` >= 0: prompt logprobs from there on, when logprobs are asked."""
+        ``logprob_start_len`` >= 0: prompt logprobs from there on, when logprobs are asked.
+        ``max_prompt_logprob_entries``: the most prompt logprob entries the response may carry
+        (`prompt_logprob_entries`; the server's --max-prompt-logprob-entries, None: no limit);
+        ``prompt_logprobs_field`` is the field a refusal names."""
         for p in set(params):
             if p.n > self.max_n:
                 raise ValueError(f"n: {p.n} is above the limit {self.max_n} (--max-n)")
+            self.check_stop_token_ids(p)
             check_constraint(p)
         self.check_logprob_args(return_logprob, top_logprobs_num)
         self.check_logprob_start_len(logprob_start_len, prompts)
         if not (return_logprob or top_logprobs_num):
             logprob_start_len = -1  # as SGLang: without return_logprob nothing is computed
+        if max_prompt_logprob_entries is not None:
+            entries = prompt_logprob_entries(prompts, params, logprob_start_len, top_logprobs_num)
+            if entries > max_prompt_logprob_entries:
+                raise ValueError(f"{prompt_logprobs_field}: the prompt logprobs asked for take {entries} entries "
+                                 "in the response (prompt tokens from the start x (1 + top logprobs) x samples), "
+                                 f"above the limit {max_prompt_logprob_entries} (--max-prompt-logprob-entries)")
         for ids, p in zip(prompts, params):
             self.check_lengths(ids, p, names)
         if rids is not None and (len(rids) != len(prompts) or len(set(rids)) != len(rids)):

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 MAX_NEW_TOKENS = 1 << 20  # the largest max_new_tokens any API accepts
+# Per request (issue 39): the scheduler looks for stop strings in the decoded tail of every
+# output at every step (as many tokens as the longest stop string has characters) and the
+# detokenizer keeps what could begin one, so their length bounds that work; stop token ids
+# are looked up per row and step.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
 
 
@@ -47,6 +55,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """`stop_token_ids` as a set, built once per request (it is looked up per token)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def needs_penalties(self) -> bool:
@@ -108,7 +121,14 @@ class SamplingParams:
              "must be an integer in [0, 2^63)")
         need(isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop), "stop",
              "must be a non-empty string or a list of non-empty strings")
-        need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: {len(self.stop)} stop strings, at most {MAX_STOP_STRINGS}")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"stop: a stop string of {longest} characters, at most {MAX_STOP_CHARS}")
+        # Counted before the ids are looked at: a million of them is refused at once.
+        if isinstance(self.stop_token_ids, tuple) and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: {len(self.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
         need(isinstance(self.stop_token_ids, tuple) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids", "must be a list of non-negative integers")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -46,6 +47,7 @@ class UpArgs:
     api_key: str | None = None        # the router's and every server's
     admin_api_key: str | None = None
     router_args: tuple[str, ...] = ()  # the server limits the router checks too (--max-n, ...)
+    admin_api_key_generated: bool = False  # no --admin-api-key, and the router is no loopback client
 
 
 def parse_args(argv: Sequence[str]) -> UpArgs:
@@ -68,7 +70,10 @@ def parse_args(argv: Sequence[str]) -> UpArgs:
     ap.add_argument("--api-key", default=None,
                     help="required from clients by the router and by every server (the router sends it on)")
     ap.add_argument("--admin-api-key", default=None,
-                    help="required on /abort_request and /flush_cache, of the router and of every server")
+                    help="required on the admin routes (/abort_request, /flush_cache, /drain, the router's "
+                         "/workers) of the router and of every server; without it they answer loopback clients "
+                         "only, and with a --host the router reaches the servers from beyond loopback, one is "
+                         "generated")
     ns, rest = ap.parse_known_args([os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv])
     if ns.prefill < 1:
         ap.error(f"--prefill: must be >= 1, got {ns.prefill}")
@@ -90,9 +95,27 @@ def parse_args(argv: Sequence[str]) -> UpArgs:
         ap.error(f"{clash.split('=', 1)[0]}: set by pdserve up itself (use its own flags)")
     servers = 1 if ns.disaggregation_mode == "null" else ns.prefill + ns.decode
     rest += device_share(rest, servers, _cuda_available())
+    admin_api_key, generated = ns.admin_api_key, False
+    if admin_api_key is None and ns.disaggregation_mode == "pd" and not router_is_loopback_client(ns.host):
+        # The router aborts legs and flushes caches on the servers' admin routes; from
+        # beyond loopback those need a key, which nobody else has to know.
+        admin_api_key, generated = secrets.token_hex(16), True
     return UpArgs(ns.model_path, ns.disaggregation_mode, ns.prefill, ns.decode, ns.speculative_algorithm, draft,
                   ns.speculative_prefill, ns.host, ns.port, ns.startup_timeout, tuple(rest), ns.api_key,
-                  ns.admin_api_key, _router_limits(rest))
+                  admin_api_key, _router_limits(rest), generated)
+
+
+def router_is_loopback_client(host: str) -> bool:
+    """Whether the router, reaching the servers at http://HOST:PORT, connects from a
+    loopback address: HOST is a loopback address, `localhost`, or 0.0.0.0 / :: (which
+    connect to loopback). Servers without --admin-api-key answer their admin routes only
+    to loopback clients."""
+    from pdserve.router.urls import UrlError, canonical_host, is_loopback_host
+
+    try:
+        return is_loopback_host(canonical_host(host.strip("[]"), bracketed=":" in host))
+    except UrlError:
+        return False
 
 
 def _cuda_available() -> bool:
@@ -305,6 +328,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = ("router in front of " + f"{args.num_prefill} prefill + {args.num_decode} decode server(s)"
                  if args.mode == "pd" else "one colocated server")
         auth = " -H 'Authorization: Bearer <your --api-key>'" if args.api_key else ""
+        if args.admin_api_key_generated:
+            print(f"pdserve up: the router reaches the servers from beyond loopback ({args.host}), so their "
+                  "admin routes need a key: one was generated for the router and the servers (pass "
+                  "--admin-api-key to choose it and reach /drain, /abort_request, /flush_cache, /workers)",
+                  flush=True)
         print(f"pdserve up: {where} ready at {url}\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
               "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is 12 + 7?\"}]}'\n"

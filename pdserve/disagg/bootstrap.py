@@ -7,7 +7,12 @@ decode ranks ``GET`` the list once, then talk to the ranks directly.
 
     PUT /ranks   body: a RankInfo message            -> 200 | 400 {"error": ...}
     GET /ranks   -> {"tp_size": n, "ranks": [RankInfo message bodies]}  (503 until all registered)
-    GET /health  -> 200
+    GET /health  -> 200 {"ok": true, "id": IDENTITY}
+
+Signed requests name the registry as their recipient: a registration is signed for
+``REGISTRY_RECIPIENT`` (with a key no other server holds); a listing request for the
+server's ``identity``, drawn at its start and told by ``GET /health``, so a listing
+request captured on one prefill server is refused by every other one.
 
 Standard library HTTP in a daemon thread: one request at a time is plenty for
 a registry, and a handler error answers that request instead of killing the
@@ -25,6 +30,7 @@ import ipaddress
 import json
 import logging
 import re
+import secrets
 import socket
 import threading
 import time
@@ -42,9 +48,11 @@ class BootstrapError(RuntimeError):
     pass
 
 
-MAX_BODY_BYTES = 1 << 20     # a RankInfo is a few KB
+MAX_BODY_BYTES = 1 << 20     # a RankInfo is a few KB (100 KB with hundreds of KV buffers)
+MAX_AUTH_BYTES = 4096        # the X-Pdserve-Auth header: a signed Heartbeat of ~300 bytes
 CLIENT_TIMEOUT_S = 5.0       # a request must arrive within this
 AUTH_HEADER = "X-Pdserve-Auth"
+REGISTRY_RECIPIENT = "pdserve-bootstrap-registry"   # the ``to`` of a rank's registration
 
 
 class BootstrapServer:
@@ -56,6 +64,8 @@ class BootstrapServer:
         self._ranks: dict[int, protocol.RankInfo] = {}
         self._lock = threading.Lock()
         self.refused = 0
+        # The recipient a listing request must be signed for: this server, and only it.
+        self.identity = f"pdserve-bootstrap-{secrets.token_hex(8)}"
         registry = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -84,7 +94,7 @@ class BootstrapServer:
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 try:
                     if self.path == "/health":
-                        self._reply(200, {"ok": True})
+                        self._reply(200, {"ok": True, "id": registry.identity})
                     elif self.path != "/ranks":
                         self._reply(404, {"error": "no such route"})
                     elif listing_auth is not None and not self._signed_by(listing_auth):
@@ -98,9 +108,10 @@ class BootstrapServer:
 
             def _signed_by(self, auth: protocol.Authenticator) -> bool:
                 try:
-                    protocol.decode(self.headers.get(AUTH_HEADER, "").encode(), auth)
+                    protocol.decode(self.headers.get(AUTH_HEADER, "").encode("latin-1"), auth,
+                                    recipient=registry.identity, max_bytes=MAX_AUTH_BYTES)
                     return True
-                except protocol.ProtocolError:
+                except (protocol.ProtocolError, UnicodeEncodeError):
                     return False
 
             def do_PUT(self) -> None:  # noqa: N802
@@ -116,7 +127,8 @@ class BootstrapServer:
                         self._refuse(413, f"body above {MAX_BODY_BYTES} bytes")
                         return
                     try:
-                        msg = protocol.decode(self.rfile.read(int(length)), registry_auth)
+                        msg = protocol.decode(self.rfile.read(int(length)), registry_auth,
+                                              recipient=REGISTRY_RECIPIENT, max_bytes=MAX_BODY_BYTES)
                     except protocol.AuthError:
                         self._refuse(403, "only this prefill server's own ranks may register")
                         return
@@ -205,8 +217,9 @@ def register_rank(bootstrap_url: str, info: protocol.RankInfo, auth: protocol.Au
     """Register a prefill rank (signed with the registry key its rank 0 shared); retried
     until ``timeout_s`` while the registry is not up yet (rank 0 starts it once its
     model is loaded, other ranks may be quicker)."""
-    req = urllib.request.Request(bootstrap_url.rstrip("/") + "/ranks", data=protocol.encode(info, auth),
-                                 method="PUT", headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(bootstrap_url.rstrip("/") + "/ranks",
+                                 data=protocol.encode(info, auth, to=REGISTRY_RECIPIENT), method="PUT",
+                                 headers={"Content-Type": "application/json"})
     end = time.monotonic() + timeout_s
     while True:
         try:
@@ -222,6 +235,15 @@ def register_rank(bootstrap_url: str, info: protocol.RankInfo, auth: protocol.Au
             time.sleep(0.1)
 
 
+def _identity(bootstrap_url: str) -> str:
+    """The identity a bootstrap server names in GET /health: the recipient its listing
+    requests are signed for (a server without one ignores the signature anyway)."""
+    with urllib.request.urlopen(bootstrap_url.rstrip("/") + "/health", timeout=5.0) as r:
+        health = json.loads(r.read(4096))
+    ident = health.get("id") if isinstance(health, dict) else None
+    return ident if isinstance(ident, str) and ident else "pdserve-bootstrap"
+
+
 def fetch_ranks(bootstrap_url: str, deadline_s: float, auth: protocol.Authenticator | None = None
                 ) -> list[protocol.RankInfo]:
     """The prefill ranks, waiting (polling) until all registered or the deadline passes.
@@ -231,9 +253,10 @@ def fetch_ranks(bootstrap_url: str, deadline_s: float, auth: protocol.Authentica
     last = "no answer"
     pause = 0.05
     while True:
-        headers = {AUTH_HEADER: protocol.encode(protocol.Heartbeat(auth.identity), auth).decode()} if auth else {}
-        req = urllib.request.Request(bootstrap_url.rstrip("/") + "/ranks", headers=headers)
         try:
+            headers = {AUTH_HEADER: protocol.encode(protocol.Heartbeat(auth.identity), auth,
+                                                    to=_identity(bootstrap_url)).decode()} if auth else {}
+            req = urllib.request.Request(bootstrap_url.rstrip("/") + "/ranks", headers=headers)
             with urllib.request.urlopen(req, timeout=5.0) as r:
                 body = json.loads(r.read(MAX_BODY_BYTES * 8))
             return [protocol.from_body(protocol.RankInfo, b) for b in body["ranks"]]

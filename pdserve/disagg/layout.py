@@ -22,7 +22,8 @@ from typing import Iterable, Sequence
 
 from pdserve.disagg.transfer import WriteBatch, coalesce
 
-PROTOCOL_VERSION = 3  # 2: WritesDone acknowledges a failed room's writes; 3: TransferRequest.first_position
+PROTOCOL_VERSION = 4  # 2: WritesDone acknowledges a failed room's writes; 3: TransferRequest.first_position;
+#                       4: signed frames carry a MAC over their raw bytes and name their recipient
 
 
 class HandshakeError(ValueError):

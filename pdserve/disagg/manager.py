@@ -50,23 +50,29 @@ class LinkConfig:
     # The deployment's shared secret: every control message is signed and checked (None:
     # unsigned, for servers that listen on loopback only).
     secret: bytes | None = None
-    max_message_bytes: int = 64 << 20
+    # The largest control frame sent or read (P.MAX_FRAME_BYTES: sized for a
+    # TransferRequest of a 1M-token prompt); ZMQ drops a larger one unread.
+    max_message_bytes: int = P.MAX_FRAME_BYTES
 
 
 class _Link:
     """The I/O thread: one PULL socket in, PUSH sockets out, heartbeats."""
 
     def __init__(self, host: str, name: str, cfg: LinkConfig, on_message: Callable[[Any], None],
-                 on_peer_dead: Callable[[str], None]) -> None:
+                 on_peer_dead: Callable[[str], None],
+                 on_unsendable: Callable[[str, Any, str], None] | None = None) -> None:
         self.cfg = cfg
         self.name = name
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)  # a larger frame drops its connection
+        # libzmq drops a larger frame (and its connection) before Python sees it.
+        self._pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         port = self._pull.bind_to_random_port(f"tcp://{host}")  # the server's own host only
         self.addr = f"tcp://{host}:{port}"
+        # Signed messages name their recipient: this address, which this side advertises
+        # (RankInfo, Handshake.control_addr) and its peers send to.
         self.auth = P.Authenticator(cfg.secret, self.addr) if cfg.secret is not None else None
-        self.refused = 0  # messages dropped: unsigned, forged, replayed or malformed
+        self.refused = 0  # messages dropped: oversized, unsigned, forged, misaddressed, replayed or malformed
         self._out: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         # Outgoing messages wake the thread through a pipe (ZMQ sockets are not
         # thread-safe, an OS pipe is), so a send never waits out a poll timeout.
@@ -77,6 +83,7 @@ class _Link:
         self._peers: dict[str, float] = {}       # control addr -> last time heard from
         self._on_message = on_message
         self._on_peer_dead = on_peer_dead
+        self._on_unsendable = on_unsendable
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-io", daemon=True)
         self._thread.start()
@@ -118,6 +125,18 @@ class _Link:
             self._push[addr] = sock
         return sock
 
+    def _send(self, addr: str, msg: Any) -> None:
+        """Sign ``msg`` for ``addr`` (its recipient) and send it; a message too large for
+        the frame limit is not sent: the room it names fails with the reason."""
+        try:
+            frame = P.encode(msg, self.auth, to=addr, max_bytes=self.cfg.max_message_bytes)
+        except P.ProtocolError as exc:
+            logger.error("%s: cannot send %s to %s: %s", self.name, type(msg).__name__, addr, exc)
+            if self._on_unsendable is not None:
+                self._on_unsendable(addr, msg, str(exc))
+            return
+        self._socket(addr).send(frame, zmq.NOBLOCK)
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
@@ -137,7 +156,7 @@ class _Link:
                         continue
                     data = sock.recv()
                     try:
-                        msg = P.decode(data, self.auth)
+                        msg = P.decode(data, self.auth, max_bytes=self.cfg.max_message_bytes)
                     except P.ProtocolError as exc:
                         self.refused += 1
                         if self.refused <= 10 or self.refused % 1000 == 0:  # a flood must not flood the log
@@ -162,12 +181,12 @@ class _Link:
                     elif msg == "forget":
                         self._peers.pop(addr, None)
                     else:
-                        self._socket(addr).send(P.encode(msg, self.auth), zmq.NOBLOCK)
+                        self._send(addr, msg)
                 now = time.monotonic()
                 if now >= next_beat:
                     seq += 1
                     for addr in list(self._peers):
-                        self._socket(addr).send(P.encode(P.Heartbeat(self.addr, seq), self.auth), zmq.NOBLOCK)
+                        self._send(addr, P.Heartbeat(self.addr, seq))
                     next_beat = now + self.cfg.heartbeat_interval_s
                     limit = self.cfg.heartbeat_interval_s * self.cfg.heartbeat_misses
                     for addr, seen in list(self._peers.items()):
@@ -215,6 +234,15 @@ class _Side(abc.ABC):
             room = getattr(msg, "room", None)
             if isinstance(room, int):
                 self._fail_touched(room, msg, f"internal error handling {type(msg).__name__}: {exc}")
+
+    def _unsendable(self, addr: str, msg: Any, reason: str) -> None:
+        """The I/O thread could not send ``msg`` to ``addr`` (over the frame limit): fail its room."""
+        room = getattr(msg, "room", None)
+        if isinstance(room, int):
+            try:
+                self._fail_touched(room, msg, f"cannot send {type(msg).__name__}: {reason}")
+            except Exception:
+                logger.exception("failing room %d", room)
 
     @abc.abstractmethod
     def _on_message(self, msg: Any) -> None:
@@ -270,7 +298,7 @@ class PrefillTransferManager(_Side):
         self._work: queue.Queue[tuple[str, int, Any] | None] = queue.Queue()
         self.bytes_sent = 0
         self.transfer_seconds = 0.0
-        self._link = _Link(host, f"prefill{tp_rank}", cfg, self._receive, self._on_peer_dead)
+        self._link = _Link(host, f"prefill{tp_rank}", cfg, self._receive, self._on_peer_dead, self._unsendable)
         self._worker = threading.Thread(target=self._transfer_loop, name=f"prefill{tp_rank}-xfer", daemon=True)
         self._worker.start()
 
@@ -595,7 +623,7 @@ class DecodeTransferManager(_Side):
         self._connect_queue: list[tuple[str, Callable[[], Sequence[P.RankInfo]]]] = []
         self._connecting = 0
         self._lock = threading.Lock()
-        self._link = _Link(host, f"decode{tp_rank}", cfg, self._receive, self._on_peer_dead)
+        self._link = _Link(host, f"decode{tp_rank}", cfg, self._receive, self._on_peer_dead, self._unsendable)
 
     MAX_CONNECTING = 4
     RETRY_AFTER_S = 2.0
@@ -759,6 +787,21 @@ class DecodeTransferManager(_Side):
                 dr = self._rooms.get(msg.room)
                 if dr is not None and msg.sender in dr.senders:
                     dr.quiet.add(msg.sender)  # each prefill rank answers for its own writes only
+
+    def _unsendable(self, addr: str, msg: Any, reason: str) -> None:
+        if isinstance(msg, P.Handshake):  # the connecting thread hears it at once, not at its timeout
+            with self._lock:
+                event = self._handshakes.get(addr)
+                if event is not None:
+                    self._handshake_error[addr] = f"cannot send the handshake: {reason}"
+                    event.set()
+            return
+        if isinstance(msg, P.TransferRequest):  # that rank never learns the pages: it cannot write them
+            with self._lock:
+                dr = self._rooms.get(msg.room)
+                if dr is not None:
+                    dr.quiet.add(addr)
+        super()._unsendable(addr, msg, reason)
 
     def _on_peer_dead(self, addr: str) -> None:
         with self._lock:

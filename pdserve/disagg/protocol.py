@@ -1,10 +1,16 @@
 """Wire messages between prefill and decode servers: frozen dataclasses, one codec.
 
-Every message travels as JSON ``{"v": PROTOCOL_VERSION, "type": NAME, "body": {...}}``;
-with a deployment secret it also carries ``from`` (the sender's identity), ``ts``,
-``nonce`` and ``mac``, an HMAC-SHA256 over all of them (``Authenticator``): a
-message that is unsigned, forged, stale or replayed is refused before anything
-reads its body.
+A message is the JSON envelope ``{"v": PROTOCOL_VERSION, "type": NAME, "body": {...}}``.
+Unsigned (no deployment secret) a frame is that JSON. With a secret, a frame is
+``SIGNED_TAG + hex(HMAC-SHA256(payload)) + b":" + payload``, where the payload is the
+JSON envelope with ``from`` (the sender), ``to`` (the recipient, as the sender
+addresses it), ``ts`` and ``nonce`` added (``Authenticator``). The MAC covers the
+exact bytes sent, so a receiver checks, in this order and before anything parses
+the frame: its length (``MAX_FRAME_BYTES``), its MAC over the raw bytes; then, on
+the parsed envelope, that it is addressed to this receiver, fresh (a finite
+timestamp within the window) and not replayed. A frame that is oversized,
+unsigned, forged, addressed elsewhere, stale or replayed is refused before
+anything reads its body.
 Decoding is strict: an unknown type, a missing or unknown field, a wrong
 protocol version or a malformed body raises ``ProtocolError`` naming it, so
 two servers of different versions fail at their first exchange instead of
@@ -16,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
 import hmac
 import json
+import math
 import secrets
 import threading
 import time
@@ -34,22 +42,47 @@ class ProtocolError(ValueError):
 
 
 class AuthError(ProtocolError):
-    """A message that is not signed by a holder of the deployment's secret (or replayed)."""
+    """A message that is not signed by a holder of the deployment's secret for this
+    receiver (or stale, or replayed)."""
 
 
+# The largest frame a receiver reads (and a sender builds). The largest legitimate
+# message is a TransferRequest: one destination slot per prompt position, at most 11
+# bytes each in JSON (a slot index below 2**31: 10 digits and a comma), so a
+# 1M-token prompt (2**20 positions) needs 11.5 MB; the next largest, a Handshake or
+# RankInfo, lists one ~200-byte BufferSpec per KV buffer (a few hundred: under
+# 100 KB). 16 MiB holds the 1M-token request with 45% to spare while bounding what
+# a forged frame costs a receiver to one HMAC over 16 MiB (~10-30 ms, outside the
+# GIL), never a parse. ZMQ drops larger frames before Python sees them (MAXMSGSIZE).
+MAX_FRAME_BYTES = 16 << 20
+
+SIGNED_TAG = b"pdserve-hmac-sha256:"
+_MAC_HEX = 64
+_SEP = b":"                                # after the MAC (a frame also travels as an HTTP header)
+_HEADER = len(SIGNED_TAG) + _MAC_HEX + 1   # tag, MAC, separator
 _ENVELOPE = {"v", "type", "body"}
-_SIGNED = _ENVELOPE | {"from", "ts", "nonce", "mac"}
+_SIGNED = _ENVELOPE | {"from", "to", "ts", "nonce"}
 
 
-def _canonical(fields: dict[str, Any]) -> bytes:
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+def _finite(ts: Any) -> float | None:
+    """``ts`` as a float if it is a finite number (NaN compares false with everything:
+    it would pass a window check and stall the nonce expiry), else None."""
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        return None
+    try:
+        value = float(ts)
+    except OverflowError:  # an integer beyond any float
+        return None
+    return value if math.isfinite(value) else None
 
 
 class Authenticator:
-    """Signs and checks control messages with a shared secret. ``identity`` is the
-    signer's own name (its control address), covered by the MAC. A message is accepted
-    once, within ``window_s`` of its timestamp (clocks of a deployment agree to well
-    within that); nonces seen in the window are remembered to refuse replays."""
+    """Signs and checks control messages with a shared secret. ``identity`` names this
+    side: the ``from`` of what it signs and, by default, the ``to`` a message must
+    carry for it to accept it (its control address: what its peers send to). A
+    message is accepted once, within ``window_s`` of its timestamp (clocks of a
+    deployment agree to well within that); nonces are remembered until their message
+    would be stale anyway, to refuse replays."""
 
     def __init__(self, secret: bytes, identity: str, window_s: float = 120.0) -> None:
         if len(secret) < 16:
@@ -57,39 +90,70 @@ class Authenticator:
         self._key = hashlib.sha256(b"pdserve-control:" + secret).digest()
         self.identity = identity
         self.window_s = window_s
-        self._seen: dict[str, float] = {}   # nonce -> its message's timestamp, oldest first
+        self._seen: set[str] = set()                 # nonces of accepted, still fresh messages
+        self._expiry: list[tuple[float, str]] = []   # heap: (when a nonce's message turns stale, nonce)
         self._lock = threading.Lock()
-        self.refused = 0                    # messages refused (forged, unsigned, stale, replayed)
+        self.refused = 0   # messages refused (unsigned, forged, misaddressed, stale, replayed)
 
-    def mac(self, fields: dict[str, Any]) -> str:
-        return hmac.new(self._key, _canonical(fields), hashlib.sha256).hexdigest()
+    def mac(self, payload: bytes | memoryview) -> bytes:
+        """The hex HMAC of a frame's payload (the exact bytes that follow the header)."""
+        return hmac.new(self._key, payload, hashlib.sha256).hexdigest().encode()
 
-    def seal(self, envelope: dict[str, Any]) -> dict[str, Any]:
-        signed = {**envelope, "from": self.identity, "ts": time.time(), "nonce": secrets.token_hex(12)}
-        return {**signed, "mac": self.mac(signed)}
+    def seal(self, envelope: dict[str, Any], to: str) -> bytes:
+        """A signed frame carrying ``envelope`` to ``to`` (the recipient's identity)."""
+        signed = {**envelope, "from": self.identity, "to": to, "ts": time.time(), "nonce": secrets.token_hex(12)}
+        return self.frame(json.dumps(signed, separators=(",", ":")).encode())
 
-    def check(self, raw: dict[str, Any]) -> None:
-        """Raise AuthError unless ``raw`` is a fresh message signed with our secret."""
+    def frame(self, payload: bytes) -> bytes:
+        return SIGNED_TAG + self.mac(payload) + _SEP + payload
+
+    def open(self, data: bytes, recipient: str | None = None) -> dict[str, Any]:
+        """The envelope of ``data`` if it is a frame signed with our secret for
+        ``recipient`` (default: our identity), fresh and not seen before; else
+        AuthError. The MAC is checked over the raw bytes before they are parsed."""
         try:
-            if set(raw) != _SIGNED:
-                raise AuthError("unsigned message (this server requires --disaggregation-secret signatures)")
-            mac = raw["mac"]
-            if not isinstance(mac, str) or not hmac.compare_digest(
-                    mac, self.mac({k: v for k, v in raw.items() if k != "mac"})):
+            if not data.startswith(SIGNED_TAG):
+                raise AuthError("unsigned message (this server requires --disaggregation-secret signatures; "
+                                "or a peer of another pdserve version)")
+            view = memoryview(data)
+            if len(data) < _HEADER or data[_HEADER - 1:_HEADER] != _SEP or not hmac.compare_digest(
+                    bytes(view[len(SIGNED_TAG):_HEADER - 1]), self.mac(view[_HEADER:])):
                 raise AuthError("bad signature (a different --disaggregation-secret, or a forgery)")
-            ts, nonce, now = raw["ts"], raw["nonce"], time.time()
-            if not isinstance(ts, (int, float)) or abs(now - ts) > self.window_s:
+            try:  # signed by a holder of the secret: only now is it parsed
+                raw = json.loads(view[_HEADER:].tobytes())
+            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+                raise AuthError(f"a signed frame that is not a pdserve message: {type(exc).__name__}") from None
+            if not isinstance(raw, dict) or set(raw) != _SIGNED:
+                raise AuthError("a signed frame that is not a pdserve message (expected v, type, body, from, to, "
+                                "ts, nonce)")
+            want = self.identity if recipient is None else recipient
+            if raw["to"] != want:
+                raise AuthError(f"a message for {str(raw['to'])[:200]!r}, not for this server ({want!r})")
+            ts, nonce, now = _finite(raw["ts"]), raw["nonce"], time.time()
+            if ts is None:
+                raise AuthError("a signed message whose timestamp is not a finite number")
+            if abs(now - ts) > self.window_s:
                 raise AuthError("stale message (outside the replay window; are the clocks in sync?)")
+            if not isinstance(nonce, str) or not nonce:
+                raise AuthError("a signed message without a nonce")
             with self._lock:
-                while self._seen and next(iter(self._seen.values())) < now - self.window_s:
-                    self._seen.pop(next(iter(self._seen)))
+                while self._expiry and self._expiry[0][0] < now:
+                    self._seen.discard(heapq.heappop(self._expiry)[1])
                 if nonce in self._seen:
                     raise AuthError("replayed message")
-                self._seen[str(nonce)] = float(ts)
+                self._seen.add(nonce)
+                heapq.heappush(self._expiry, (ts + self.window_s, nonce))
+            return raw
         except AuthError:
             with self._lock:
                 self.refused += 1
             raise
+
+    @property
+    def remembered(self) -> int:
+        """Nonces held for replay detection (dropped once their message is stale)."""
+        with self._lock:
+            return len(self._seen)
 
 
 @dataclass(frozen=True)
@@ -189,22 +253,36 @@ _TOP_LEVEL = ("RankInfo", "Handshake", "HandshakeReply", "TransferRequest", "Han
               "Heartbeat")
 
 
+_SCALARS = (int, float, str, bool, type(None))
+
+
 def _to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (tuple, list)):
+        if all(type(x) in _SCALARS for x in obj):  # e.g. a long prompt's dst_slots: no call per item
+            return list(obj)
         return [_to_plain(x) for x in obj]
     return obj
 
 
-def encode(msg: Any, auth: Authenticator | None = None) -> bytes:
+def encode(msg: Any, auth: Authenticator | None = None, to: str | None = None,
+           max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """The frame of ``msg``: signed for recipient ``to`` with ``auth``, else plain JSON.
+    A frame above ``max_bytes`` is refused here (ProtocolError): its receiver would drop it."""
     name = type(msg).__name__
     if name not in _TOP_LEVEL:
         raise ProtocolError(f"{name} is not a wire message")
     envelope: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": name, "body": _to_plain(msg)}
     if auth is not None:
-        envelope = auth.seal(envelope)
-    return json.dumps(envelope, separators=(",", ":")).encode()
+        if not to:
+            raise ProtocolError("a signed message needs its recipient (to)")
+        data = auth.seal(envelope, to)
+    else:
+        data = json.dumps(envelope, separators=(",", ":")).encode()
+    if len(data) > max_bytes:
+        raise ProtocolError(f"a {name} of {len(data)} bytes exceeds the {max_bytes}-byte frame limit")
+    return data
 
 
 def to_body(msg: Any) -> dict[str, Any]:
@@ -217,18 +295,27 @@ def from_body(cls: type, body: Any) -> Any:
     return _build(cls, body, cls.__name__)
 
 
-def decode(data: bytes, auth: Authenticator | None = None) -> Any:
-    """The message in ``data``; with ``auth``, only if signed by a holder of the secret."""
-    try:
-        raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise ProtocolError(f"not a pdserve message: {type(exc).__name__}") from None
-    if not isinstance(raw, dict) or not _ENVELOPE <= set(raw):
-        raise ProtocolError("not a pdserve message (expected v, type, body)")
+def decode(data: bytes, auth: Authenticator | None = None, recipient: str | None = None,
+           max_bytes: int = MAX_FRAME_BYTES) -> Any:
+    """The message in ``data``; with ``auth``, only if signed by a holder of the secret
+    for ``recipient`` (default: ``auth.identity``). Nothing parses a frame above
+    ``max_bytes``, nor a signed frame before its MAC is checked."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise ProtocolError(f"not a pdserve message: {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"a frame of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    data = bytes(data)
     if auth is not None:
-        auth.check(raw)
-    elif set(raw) != _ENVELOPE:
-        raise ProtocolError("a signed message, but this server has no --disaggregation-secret")
+        raw = auth.open(data, recipient)
+    else:
+        if data.startswith(SIGNED_TAG):
+            raise ProtocolError("a signed message, but this server has no --disaggregation-secret")
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ProtocolError(f"not a pdserve message: {type(exc).__name__}") from None
+        if not isinstance(raw, dict) or set(raw) != _ENVELOPE:
+            raise ProtocolError("not a pdserve message (expected v, type, body)")
     if raw["v"] != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {raw['v']!r}; this server speaks {PROTOCOL_VERSION}")
     if raw["type"] not in _TOP_LEVEL:
@@ -268,6 +355,8 @@ def _value(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected a list")
         if len(args) == 2 and args[1] is Ellipsis:
+            if args[0] is int and all(type(v) is int for v in value):  # the common case, without a call per item
+                return tuple(value)
             return tuple(_value(args[0], v, where) for v in value)
         if len(args) != len(value):
             raise ProtocolError(f"{where}: expected {len(args)} items")
@@ -286,4 +375,5 @@ def _value(hint: Any, value: Any, where: str) -> Any:
 
 
 __all__ = ["ProtocolError", "encode", "decode", "to_body", "from_body", "RankInfo", "Handshake", "HandshakeReply", "TransferRequest",
-           "SpecHandoff", "HandoffRecord", "Abort", "WritesDone", "Heartbeat", "Authenticator", "AuthError"]
+           "SpecHandoff", "HandoffRecord", "Abort", "WritesDone", "Heartbeat", "Authenticator", "AuthError",
+           "MAX_FRAME_BYTES", "SIGNED_TAG"]

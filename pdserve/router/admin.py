@@ -12,6 +12,12 @@ flag does: absent means 8998 (the servers' default), null or "none" lets the ser
 use their own default. A URL already registered is a 409 (not idempotent: a second add
 with another role or port would otherwise silently keep the first), except that adding a
 worker that is being removed, with the same role and port, calls the removal off.
+
+These are admin routes (KeyCheck in app.py): whoever may add a worker decides where every
+client's prompts and the router's keys go. The URL takes one canonical form (urls.py:
+`localhost`, `127.1`, `2130706433` and `0.0.0.0` are all http://127.0.0.1:PORT), without
+credentials, at most 2048 characters; the router's own address is refused (400), and an
+add that fails leaves nothing registered.
 """
 
 from __future__ import annotations

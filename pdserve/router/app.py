@@ -7,12 +7,14 @@ body size and nesting depth, `n`, `rid`, samples per request) and refuses the fi
 owns; the workers validate the rest, and their verdict (status and body) is passed
 through unchanged.
 
-Keys (as the servers check them): `--api-key` is required on every route but /health
-(the admin key opens them too); with `--admin-api-key`, the admin routes
-(/abort_request, /flush_cache, and worker management under /workers) require that key,
-the API key is not enough. The router sends
-the same keys to the workers (the admin key on their admin routes), so the servers
-behind it should be started with the same keys.
+Keys (as the servers check them, with the same middleware: http_front.KeyCheck):
+`--api-key` is required on every route but /health (the admin key opens them too); the
+admin routes (/abort_request, /flush_cache, and worker management under /workers) need
+`--admin-api-key` when it is set (the API key is not enough: 401), and without it they
+answer only loopback clients (403 to others). Whoever manages the workers decides where
+every client's prompts and the router's keys go. The router sends the same keys to the
+workers (the admin key on their admin routes), so the servers behind it should be started
+with the same keys.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from pdserve.router.admin import spec_from_body
 from pdserve.router.config import ConfigError, RouterConfig, WorkerSpec, normalise_url
@@ -39,18 +41,19 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import make_policy
 from pdserve.router.proxy import Proxy, Reply, StreamSession
 from pdserve.router.rooms import ROUTER_FIELDS, shape_of
-from pdserve.router.workers import DuplicateWorker, Worker, WorkerRegistry
+from pdserve.router.urls import is_own_address
+from pdserve.router.workers import ROUTER_ID_HEADER, DuplicateWorker, RefusedWorker, Worker, WorkerRegistry
+from pdserve.server.http_front import KeyCheck
 
 if TYPE_CHECKING:
     from pdserve.router.discovery import PodDiscovery
-from pdserve.server.http_front import bearer, key_matches
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
-ADMIN_ROUTES = ("/abort_request", "/flush_cache")
-WORKERS_ROUTE = "/workers"  # and /workers/{url}: admin routes too
+ADMIN_ROUTES = ("/abort_request", "/flush_cache", "/workers")
+ADMIN_PREFIXES = ("/workers/",)  # /workers/{url}: admin routes too
 INFO_TIMEOUT_S = 5.0
 
 
@@ -59,36 +62,6 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
     if status == 401:
         kind = "authentication_error"
     return JSONResponse(error_body(message, kind, param, status), status_code=status)
-
-
-def _authorized(scope: Scope, *keys: str | None) -> bool:
-    """`Authorization: Bearer KEY` for one of `keys`: the servers' constant-time check."""
-    given = bearer(scope)
-    return any([key_matches(given, key) for key in keys])  # (a list: every key is compared)
-
-
-class _ApiKey:
-    """Pure ASGI (not BaseHTTPMiddleware, which would wrap `receive` and hide client
-    disconnects from the routes): every route but /health needs the key (or the admin
-    key), but the admin routes when an admin key guards them (they check it themselves)."""
-
-    def __init__(self, app: ASGIApp, key: str, admin_key: str | None) -> None:
-        self.app = app
-        self.keys = (key, admin_key)
-        self.exempt = ("/health", *(ADMIN_ROUTES if admin_key else ()))
-        self.admin_key = admin_key
-
-    def _exempt(self, path: str) -> bool:
-        if path in self.exempt:
-            return True
-        return bool(self.admin_key) and (path == WORKERS_ROUTE or path.startswith(WORKERS_ROUTE + "/"))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._exempt(scope.get("path", "")):
-            if not _authorized(scope, *self.keys):
-                await _error("invalid or missing API key", 401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class _SessionResponse(StreamingResponse):
@@ -135,6 +108,8 @@ class Router:
                  randbits: Callable[[int], int], discovery: "PodDiscovery | None" = None) -> None:
         self.cfg = cfg
         self.metrics = RouterMetrics()
+        # On our own /health: a probe that reads it back has found the router itself.
+        self.instance_id = secrets.token_hex(16)
         self.worker_headers = {"authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self.admin_headers = {"authorization": f"Bearer {cfg.admin_api_key}"} if cfg.admin_api_key \
             else self.worker_headers
@@ -148,7 +123,7 @@ class Router:
         self.registry = WorkerRegistry(cfg.all_workers, make_client, interval=cfg.health_check_interval,
                                        timeout=cfg.health_check_timeout, on_removed=self._forget_worker,
                                        on_probe_failure=lambda w: self.metrics.health_check_failures.labels(
-                                           w.role, w.url).inc())
+                                           w.role, w.url).inc(), router_id=self.instance_id)
         policy_args = dict(threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
                            max_tree_size=cfg.max_tree_size)
         pd = cfg.pd_disaggregation
@@ -176,9 +151,25 @@ class Router:
     async def add_worker(self, spec: WorkerSpec, source: str) -> Worker:
         """Register `spec` and probe it at once: a healthy worker is in rotation when this
         returns (else the health loop keeps probing it every interval). Raises
-        DuplicateWorker for a URL already registered."""
+        DuplicateWorker for a URL already registered, RefusedWorker for the router's own
+        address (by its spelling, or because it answers with the router's id). An add
+        that fails leaves nothing registered."""
+        cfg = self.cfg
+        if is_own_address(spec.url, cfg.host, cfg.port):
+            raise RefusedWorker(f"{spec.url} is this router's own address (--host {cfg.host} --port {cfg.port})")
+        existing = self.registry.get(spec.url)
         worker = self.registry.add(spec, source)
-        await self.registry.probe(worker)
+        if worker is existing:  # a removal called off: it was registered (and checked) before
+            await self.registry.probe(worker)
+            return worker
+        try:
+            await self.registry.probe(worker)
+        except BaseException:  # cancelled (shutdown): not half-registered
+            self.registry.discard(worker)
+            raise
+        if worker.is_router:
+            self.registry.discard(worker)
+            raise RefusedWorker(f"{spec.url} is this router itself (its /health answered with the router's id)")
         return worker
 
     def remove_worker(self, url: str) -> Worker | None:
@@ -229,8 +220,9 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
 
     app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.router = router
-    if cfg.api_key:
-        app.add_middleware(_ApiKey, key=cfg.api_key, admin_key=cfg.admin_api_key)
+    # Always: without any key the admin routes still answer loopback clients only.
+    app.add_middleware(KeyCheck, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key,
+                       admin_paths=ADMIN_ROUTES, admin_prefixes=ADMIN_PREFIXES)
     metrics, proxy, registry = router.metrics, router.proxy, router.registry
 
     @app.exception_handler(StarletteHTTPException)
@@ -300,9 +292,10 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
     @app.get("/health")
     async def health() -> Response:
         missing = router.missing_roles()
-        if missing:
-            return _error(f"no healthy {' and no healthy '.join(missing)} worker", 503)
-        return Response(status_code=200)
+        out = _error(f"no healthy {' and no healthy '.join(missing)} worker", 503) if missing \
+            else Response(status_code=200)
+        out.headers[ROUTER_ID_HEADER] = router.instance_id  # lets a probe of ours recognise us
+        return out
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -369,19 +362,11 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
     async def prometheus() -> Response:
         return Response(metrics.render(registry.workers), media_type=CONTENT_TYPE_LATEST)
 
-    # ---- admin routes: the admin key when there is one --------------------------------
-    def not_admin(request: Request) -> Response | None:
-        if cfg.admin_api_key and not _authorized(request.scope, cfg.admin_api_key):
-            return _error("invalid or missing admin API key (--admin-api-key)", 401)
-        return None
-
+    # ---- admin routes (KeyCheck: the admin key when there is one, else loopback only) ----
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         """Abort a request in flight by its rid (the client's own, else the router's),
-        whoever sent it: with --admin-api-key only the admin may."""
-        denied = not_admin(request)
-        if denied is not None:
-            return denied
+        whoever sent it: only the admin may (KeyCheck)."""
         try:
             rid = (await json_object(request)).get("rid")
         except Refusal as exc:
@@ -391,11 +376,8 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
         return JSONResponse({"rid": rid, "aborted": await proxy.abort_by_rid(rid)})
 
     @app.post("/flush_cache")
-    async def flush_cache(request: Request) -> Response:
+    async def flush_cache() -> Response:
         """Flush every healthy worker; 200 only if all of them flushed."""
-        denied = not_admin(request)
-        if denied is not None:
-            return denied
 
         async def one(w: Worker) -> str | None:
             try:
@@ -410,27 +392,21 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
         return Response("Cache flushed.\n", status_code=200)
 
     # ---- worker management (admin.py) -------------------------------------------------
-    def worker_url(request: Request, raw: str) -> str | Response:
+    def worker_url(raw: str) -> str | Response:
         """The {url} of /workers/{url} (percent-decoded by the server), normalised; or the
-        refusal (not the admin, a malformed url)."""
-        denied = not_admin(request)
-        if denied is not None:
-            return denied
+        refusal (a malformed url)."""
         try:
             return normalise_url(raw, "url")
         except ConfigError as exc:
             return _error(str(exc), 400, "url")
 
     @app.get("/workers")
-    async def list_workers(request: Request) -> Response:
-        denied = not_admin(request)
-        if denied is not None:
-            return denied
+    async def list_workers() -> Response:
         return JSONResponse({"workers": [w.status() for w in registry.workers]})
 
     @app.get("/workers/{url:path}")
-    async def get_worker(url: str, request: Request) -> Response:
-        url_or_error = worker_url(request, url)
+    async def get_worker(url: str) -> Response:
+        url_or_error = worker_url(url)
         if isinstance(url_or_error, Response):
             return url_or_error
         worker = registry.get(url_or_error)
@@ -440,9 +416,6 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
 
     @app.post("/workers")
     async def add_worker(request: Request) -> Response:
-        denied = not_admin(request)
-        if denied is not None:
-            return denied
         try:
             spec = spec_from_body(await json_object(request), cfg.pd_disaggregation)
         except Refusal as exc:
@@ -451,11 +424,13 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
             worker = await router.add_worker(spec, "api")
         except DuplicateWorker as exc:
             return _error(f"url: {exc}", 409, "url")
+        except RefusedWorker as exc:
+            return _error(f"url: {exc}", 400, "url")
         return JSONResponse(worker.status(), status_code=201)
 
     @app.delete("/workers/{url:path}")
-    async def delete_worker(url: str, request: Request) -> Response:
-        url_or_error = worker_url(request, url)
+    async def delete_worker(url: str) -> Response:
+        url_or_error = worker_url(url)
         if isinstance(url_or_error, Response):
             return url_or_error
         worker = router.remove_worker(url_or_error)

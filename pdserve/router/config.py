@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
+from pdserve.router.urls import UrlError, canonical_url, is_own_address
+
 DEFAULT_BOOTSTRAP_PORT = 8998  # the servers' --disaggregation-bootstrap-port default
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
 ROLES = ("prefill", "decode", "plain")
@@ -65,8 +67,9 @@ class RouterConfig:
     request_timeout: float = 1800.0
     connect_timeout: float = 2.0
     api_key: str | None = None
-    # When set, /abort_request and /flush_cache need it instead of api_key (and the router
-    # sends it to the workers on those routes).
+    # When set, the admin routes (/abort_request, /flush_cache, /workers) need it instead of
+    # api_key (and the router sends it to the workers on their admin routes); when not, they
+    # answer only loopback clients.
     admin_api_key: str | None = None
     # Checked before any per-request work (the servers' defaults): a body above
     # max_request_bytes is a 413, n above max_n or more than max_request_samples samples
@@ -130,6 +133,10 @@ class RouterConfig:
         dup = next((u for u in urls if urls.count(u) > 1), None)
         if dup is not None:
             raise ConfigError(f"--prefill/--decode: {dup} is listed twice")
+        own = next((u for u in urls if is_own_address(u, self.host, self.port)), None)
+        if own is not None:  # it would send every request back to itself
+            raise ConfigError(f"--prefill/--decode/--worker-urls: {own} is this router's own address "
+                              f"(--host {self.host} --port {self.port})")
         for name in ("prefill_policy", "decode_policy", "policy"):
             if getattr(self, name) not in POLICIES:
                 raise ConfigError(f"--{name.replace('_', '-')}: {getattr(self, name)!r} is not one of "
@@ -159,16 +166,12 @@ class RouterConfig:
 
 
 def normalise_url(url: str, flag: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{flag}: {url!r} is not an http(s)://host:port URL")
+    """One canonical spelling per server (urls.py: scheme://host:port, numeric and loopback
+    spellings folded, no userinfo, at most 2048 characters); ConfigError naming `flag`."""
     try:
-        parts.port
-    except ValueError:
-        raise ConfigError(f"{flag}: {url!r} has an invalid port") from None
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ConfigError(f"{flag}: {url!r} must be a server's base URL (no path or query)")
-    return f"{parts.scheme}://{parts.netloc}"
+        return canonical_url(url)
+    except UrlError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
 
 
 def parse_bootstrap_port(value: object, what: str) -> int | None:
@@ -247,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=None,
                     help="clients must send 'Authorization: Bearer KEY'; also sent to the workers")
     ap.add_argument("--admin-api-key", default=None,
-                    help="/abort_request and /flush_cache need 'Authorization: Bearer KEY' (not --api-key); "
-                         "also sent to the workers on those routes")
+                    help="the admin routes (/abort_request, /flush_cache, /workers) need 'Authorization: Bearer "
+                         "KEY' (not --api-key); also sent to the workers on their admin routes. Without it the "
+                         "admin routes answer only loopback clients")
     ap.add_argument("--max-n", type=int, default=16, help="upper bound on n per request (the servers' --max-n)")
     ap.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="BYTES",
                     help="larger bodies are refused (413) before they are read")

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from pdserve.router.config import DEFAULT_BOOTSTRAP_PORT, ConfigError, RouterConfig, WorkerSpec, \
     parse_bootstrap_port
-from pdserve.router.workers import DuplicateWorker
+from pdserve.router.urls import UrlError, canonical_url
+from pdserve.router.workers import DuplicateWorker, RefusedWorker
 
 if TYPE_CHECKING:
     from pdserve.router.app import Router
@@ -72,8 +73,10 @@ def pod_is_ready(pod: Any) -> bool:
 
 
 def pod_url(pod: Any, port: int) -> str:
+    """The pod's URL in the canonical form every worker URL takes (urls.py), so that a pod
+    is the same worker as a POST /workers or a flag naming its address."""
     ip = pod.status.pod_ip
-    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
+    return canonical_url(f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}")
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,11 @@ class PodDiscovery:
             self._add(spec, key)
 
     def _spec(self, role: str, pod: Any, key: str) -> WorkerSpec | None:
-        url = pod_url(pod, self.port)
+        try:
+            url = pod_url(pod, self.port)
+        except UrlError as exc:  # an API server's pod IP we cannot read: leave the pod out
+            logger.warning("Kubernetes discovery: pod %s: %s; the pod is left out", key, exc)
+            return None
         if role != "prefill":
             return WorkerSpec(url, role)
         value = (pod.metadata.annotations or {}).get(self.annotation)
@@ -264,7 +271,7 @@ class PodDiscovery:
                 return  # a MODIFIED event of a pod already in
             try:
                 await router.add_worker(spec, "discovery")
-            except DuplicateWorker as exc:  # being removed with another role / port
+            except (DuplicateWorker, RefusedWorker) as exc:  # being removed with another role / port; us
                 logger.warning("Kubernetes discovery: pod %s: %s", key, exc)
         self._call(add())
 

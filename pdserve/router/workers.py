@@ -2,9 +2,16 @@
 
 A worker is in rotation after a successful `GET /health` probe and out of it at
 once when a probe fails or a request to it fails at the connection level; the next
-successful probe puts it back. Probes run on a fixed cadence (not "sleep after the
-probe"), each bounded by its own timeout, so a dead worker is out within
-interval + timeout of dying even when it hangs instead of refusing connections.
+successful probe puts it back. Each worker has a probe loop of its own on a fixed
+cadence (not "sleep after the probe"), and each probe has one deadline for the whole
+exchange (connect, headers, body: --health-check-timeout), not a timeout per read, and
+reads at most MAX_HEALTH_BODY bytes of the answer. So a dead worker is out within
+interval + timeout of dying even when it hangs instead of refusing connections, and a
+worker that answers slowly, byte by byte, or without end delays nobody's probes but its
+own and costs the router a bounded amount of memory.
+
+A probe that finds the router itself (its /health carries the router's instance id,
+ROUTER_ID_HEADER) never puts the worker in rotation: requests would loop.
 
 A worker whose /health answers 503 with `{"status": "draining"}` (a server shutting
 down gracefully) is out of rotation too, but that is not a failure: no warning, no
@@ -32,10 +39,25 @@ from pdserve.router.config import WorkerSpec
 logger = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05  # how often a worker being removed is checked for legs still in flight
+MAX_HEALTH_BODY = 64 * 1024  # a /health answer is a few hundred bytes; beyond this the probe fails
+ROUTER_ID_HEADER = "x-pdserve-router-id"  # on the router's own /health: its instance id
+MAX_REASON_CHARS = 300  # of a failure's text kept in last_error and the logs
 
 
 class DuplicateWorker(ValueError):
     """The URL is already one of the router's workers."""
+
+
+class RefusedWorker(ValueError):
+    """A worker the router will not register: its own address."""
+
+
+class HealthBodyTooLarge(Exception):
+    """A /health answer longer than MAX_HEALTH_BODY."""
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS] + "..."
 
 
 def says_draining(content: bytes) -> bool:
@@ -72,6 +94,8 @@ class Worker:
         self.state_since = time.time()  # wall clock of the last state change (GET /workers)
         self._down_at = float("-inf")  # a probe that started before this cannot re-admit
         self._drain_task: asyncio.Task | None = None
+        self._probe_task: asyncio.Task | None = None  # its own health loop (WorkerRegistry.start)
+        self.is_router = False      # its /health answered with this router's own id
 
     @property
     def in_rotation(self) -> bool:
@@ -112,7 +136,7 @@ class WorkerRegistry:
     def __init__(self, specs: Iterable[WorkerSpec], make_client: Callable[[], httpx.AsyncClient], *,
                  interval: float, timeout: float, on_change: Callable[[Worker], None] | None = None,
                  on_removed: Callable[[Worker], None] | None = None,
-                 on_probe_failure: Callable[[Worker], None] | None = None) -> None:
+                 on_probe_failure: Callable[[Worker], None] | None = None, router_id: str | None = None) -> None:
         self.make_client = make_client
         self.workers = [Worker(s, make_client()) for s in specs]
         self.interval = interval
@@ -120,7 +144,9 @@ class WorkerRegistry:
         self.on_change = on_change
         self.on_removed = on_removed          # after a removed worker is gone (policies forget it)
         self.on_probe_failure = on_probe_failure  # a failed probe (not a draining answer)
-        self._task: asyncio.Task | None = None
+        self.router_id = router_id            # what our own /health says in ROUTER_ID_HEADER
+        self._started = False
+        self._closing: set[asyncio.Task] = set()  # clients of discarded workers being closed
 
     def of_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
@@ -149,8 +175,30 @@ class WorkerRegistry:
             raise DuplicateWorker(f"{old.role} worker {old.url} is already registered ({old.state})")
         worker = Worker(spec, self.make_client(), source)
         self.workers.append(worker)
+        if self._started:
+            self._watch(worker)
         logger.info("%s worker %s added (%s)", worker.role, worker.url, source)
         return worker
+
+    def discard(self, worker: Worker) -> None:
+        """Undo an `add` that failed (its first probe raised, it is the router itself): the
+        worker goes at once, as if it had never been registered. Nothing can be in flight
+        on it: it was never in rotation."""
+        if worker.removed:
+            return
+        worker.removed = True
+        worker.healthy = False
+        if worker in self.workers:
+            self.workers.remove(worker)
+        for task in (worker._probe_task, worker._drain_task):
+            if task is not None:
+                task.cancel()
+        if self.on_removed is not None:
+            self.on_removed(worker)
+        closing = asyncio.get_running_loop().create_task(worker.client.aclose())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+        logger.info("%s worker %s not added", worker.role, worker.url)
 
     def remove(self, worker: Worker) -> None:
         """Drain `worker`: no new legs from now on (it leaves rotation at once); it is
@@ -179,6 +227,8 @@ class WorkerRegistry:
         worker.removed = True
         worker.healthy = False
         self.workers.remove(worker)
+        if worker._probe_task is not None:
+            worker._probe_task.cancel()
         logger.info("%s worker %s removed", worker.role, worker.url)
         if self.on_removed is not None:
             self.on_removed(worker)
@@ -226,17 +276,50 @@ class WorkerRegistry:
                 self.on_change(worker)
 
     # ---- probes --------------------------------------------------------------------
+    async def _get_health(self, worker: Worker) -> tuple[int, bytes, str | None]:
+        """GET /health: (status, body, the router id header). The body is read raw (no
+        decompression: a small compressed body could inflate without bound) and at most
+        MAX_HEALTH_BODY bytes of it (HealthBodyTooLarge beyond)."""
+        async with worker.client.stream("GET", worker.url + "/health", headers={"accept-encoding": "identity"},
+                                        timeout=self.timeout) as r:
+            length = r.headers.get("content-length", "")
+            if length.isdigit() and int(length) > MAX_HEALTH_BODY:
+                raise HealthBodyTooLarge(f"announces {int(length)} bytes")
+            body = bytearray()
+            async for chunk in r.aiter_raw():
+                body += chunk
+                if len(body) > MAX_HEALTH_BODY:
+                    raise HealthBodyTooLarge(f"more than {MAX_HEALTH_BODY} bytes")
+            return r.status_code, bytes(body), r.headers.get(ROUTER_ID_HEADER)
+
     async def probe(self, worker: Worker) -> bool:
+        """One health probe of `worker`, within --health-check-timeout in all; its verdict
+        applied. Never raises (but CancelledError): whatever goes wrong is a failed probe."""
         started = time.monotonic()
-        draining = False
+        status: int | None = None
+        content: bytes = b""
+        router_id: str | None = None
         try:
-            r = await worker.client.get(worker.url + "/health", timeout=self.timeout)
-            ok, reason = r.status_code == 200, f"GET /health answered {r.status_code}"
-            draining = r.status_code == 503 and says_draining(r.content)
-        except httpx.HTTPError as exc:
-            ok, reason = False, f"GET /health failed: {type(exc).__name__}: {exc}"
-        except RuntimeError:
-            return False  # its client was closed: the worker was removed during the probe
+            # httpx's timeout is per read (a server sending a byte every half second never
+            # trips it): the deadline is for the whole exchange.
+            status, content, router_id = await asyncio.wait_for(self._get_health(worker), self.timeout)
+            reason = f"GET /health answered {status}"
+        except asyncio.TimeoutError:
+            reason = f"GET /health failed: no complete answer within {self.timeout:g} s (--health-check-timeout)"
+        except HealthBodyTooLarge as exc:
+            reason = f"GET /health failed: answer too large ({exc}; the limit is {MAX_HEALTH_BODY} bytes)"
+        except Exception as exc:  # httpx's errors; a closed client (removed meanwhile); anything odd
+            if worker.removed or worker.client.is_closed:
+                return False
+            reason = f"GET /health failed: {type(exc).__name__}: {exc}"
+        ok = status == 200
+        draining = status == 503 and says_draining(content)
+        if self.router_id is not None and router_id == self.router_id:
+            # Our own /health: whatever it says, sending this worker requests would loop.
+            worker.is_router = True
+            self._set(worker, False, "this is the router itself (its /health carries the router's own id)")
+            return False
+        reason = _short(reason)
         if ok:
             if started >= worker._down_at:
                 self._set(worker, True, None)
@@ -253,29 +336,39 @@ class WorkerRegistry:
         return ok
 
     async def probe_all(self) -> None:
+        """One probe of every worker, at once (at startup); each is bounded by its own deadline."""
         await asyncio.gather(*(self.probe(w) for w in list(self.workers)))
 
-    async def run(self) -> None:
-        while True:
-            t0 = time.monotonic()
+    async def _probe_loop(self, worker: Worker) -> None:
+        """`worker`'s own health loop: a probe every interval (the first one interval from
+        now: whoever registers a worker probes it at once), until it is removed."""
+        next_at = time.monotonic() + self.interval
+        logged = False
+        while not worker.removed:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            # A fixed cadence, but a probe that took longer than the interval is not
+            # followed by a burst of catching-up probes.
+            next_at = max(next_at + self.interval, time.monotonic())
             try:
-                await self.probe_all()
-            except Exception:  # never let the health loop die silently
-                logger.exception("health check round failed")
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - t0)))
+                await self.probe(worker)
+            except Exception:  # a bug (probe never raises): say so once, keep probing
+                if not logged:
+                    logger.exception("health probe of %s failed", worker.url)
+                    logged = True
+
+    def _watch(self, worker: Worker) -> None:
+        worker._probe_task = asyncio.get_running_loop().create_task(self._probe_loop(worker))
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run())
+        self._started = True
+        for w in self.workers:
+            if w._probe_task is None:
+                self._watch(w)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-        for w in self.workers:
-            if w._drain_task is not None:
-                w._drain_task.cancel()
-        await asyncio.gather(*(w.client.aclose() for w in self.workers))
+        self._started = False
+        tasks = [t for w in self.workers for t in (w._probe_task, w._drain_task) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(w.client.aclose() for w in self.workers), *self._closing, return_exceptions=True)

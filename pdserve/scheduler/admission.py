@@ -61,6 +61,7 @@ class Admission:
         token budget, keeping room for the running requests' growth."""
         if not self.waiting and self.chunked is None:
             return None
+        self.settle_grammars(self.waiting)  # (the same on every TP rank: admission acts on it)
         ps = self.page_size
         chunking = self.args.chunked_prefill_size != -1
         budget = self.args.max_prefill_tokens
@@ -82,7 +83,7 @@ class Admission:
                     out.finished += self.finish(req, refusal)
                     continue
                 if req.grammar is not None and not req.grammar.ready:
-                    continue  # still compiling: the requests behind it go first
+                    continue  # still compiling (never waited for here): the requests behind it go first
                 if self.kv.free_rows < 1 + forks:
                     break
                 prompt_logprobs.begin(req)
@@ -139,7 +140,8 @@ class Admission:
         if need > self.kv.capacity:
             return too_big(need, self.kv.capacity)
         if req.grammar is not None and req.grammar.error is not None:
-            return FinishReason(FinishKind.ABORT, message=f"{req.params.constraint[0]}: {req.grammar.error}")
+            # Invalid, or past --grammar-compile-timeout: this request alone ends.
+            return FinishReason(FinishKind.ABORT, message=req.grammar.error)
         return None
 
     def _unlock(self, match: PrefixMatch | None) -> None:

@@ -195,7 +195,8 @@ class Sampler:
         for i, r in enumerate(reqs):
             p = r.params
             if r.num_output_tokens < p.min_new_tokens:
-                ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(self.eos_ids)
+                # The request's set is built once (SamplingParams.stop_token_set), not per row and step.
+                ids = p.stop_token_set if p.ignore_eos else p.stop_token_set.union(self.eos_ids)
                 banned += [i * vocab_size + t for t in ids if t < vocab_size]
         flat = torch.zeros(len(reqs) * vocab_size, dtype=torch.bool, device=device)
         if banned:

@@ -11,6 +11,11 @@ target features of every position and decode builds the draft state itself,
 exactly as a colocated prefill would; the sender's draft KV never travels, so a
 plain prefill server can feed a speculative decode server.
 
+A constrained request whose KV arrives before its grammar compiled is parked (holding
+its KV) and joins the batch once the grammar is ready; it ends alone if the compile
+fails or passes --grammar-compile-timeout. The scheduler thread never waits for a
+compile, so every other stream keeps its pace.
+
 A failed transfer ends its request at once, but its pages stay QUARANTINED until
 every prefill rank said no write of its can still land there (or the transfer
 deadline passed): a late write must never hit another request's KV.
@@ -61,6 +66,9 @@ class DecodeScheduler(Scheduler):
             runner.config.num_layers, runner.num_local_kv_heads, runner.config.head_dim, runner.kv_dtype)
         if self.spec is not None:
             self.bytes_per_position += self.spec.features.shape[1] * self.spec.features.element_size()
+        # Committed (KV and first token in) but their grammar still compiling: they join
+        # the running batch once it is ready (poll_external), in arrival order.
+        self.parked: list[Req] = []
         self.transfer_bytes = 0       # KV bytes this rank received in committed transfers
         self.prefix_hit_tokens = 0    # prompt tokens served from this server's own prefix cache
 
@@ -99,11 +107,14 @@ class DecodeScheduler(Scheduler):
             elif h.phase is Phase.TRANSFERRING:
                 self.manager.abort(h.room, message)
                 out += self._quarantine(h, message, server_error=False)
+        for req in [r for r in self.parked if r.rid == rid]:
+            self.parked.remove(req)
+            out += self.finish(req, FinishReason(FinishKind.ABORT, message=message))
         return out + super().abort(rid, message)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.handoffs) or super().has_work
+        return bool(self.handoffs or self.parked) or super().has_work
 
     # ---- step hooks -------------------------------------------------------------------
     def poll_external(self, out: StepOutput) -> None:
@@ -119,7 +130,7 @@ class DecodeScheduler(Scheduler):
                     self.manager.release(h.room)
                 except Exception:  # the request already ended; only its pages are at stake
                     logger.exception("room %d: releasing its quarantined pages failed", h.room)
-        committed = False
+        committed = self._unpark(out)
         for h, ready in agreed:
             if h.phase is not Phase.TRANSFERRING or ready is Readiness.WAITING:
                 continue
@@ -156,7 +167,7 @@ class DecodeScheduler(Scheduler):
     def _admit_transfers(self, queued: list[tuple[Handoff, Readiness]], out: StepOutput) -> None:
         """Reserve KV for queued requests (prompt + growth) and ask for their KV."""
         transferring = [h.req for h in self.handoffs if h.phase is Phase.TRANSFERRING]
-        reserve = self.growth_reserve(self.running + transferring)
+        reserve = self.growth_reserve(self.running + self.parked + transferring)
         for h, ready in queued:
             with self.guarded([h.req], out, "admitting the transfer"):
                 reserved = self._admit_one(h, ready, reserve, transferring, out)
@@ -229,10 +240,35 @@ class DecodeScheduler(Scheduler):
         tops = record.top_logprobs
         Draws([record.first_token], [record.logprob] if record.logprob is not None else None,
               [[lp for lp, _ in tops]] if tops else None, [[t for _, t in tops]] if tops else None).append_to(req, 0)
+        if req.grammar is not None:
+            self.settle_grammars([req])
+            if not req.grammar.ready:  # the KV beat the compile: wait here, holding it, not in the batch
+                self.parked.append(req)
+                return
+        self._join(req, out)
+
+    def _join(self, req: Req, out: StepOutput) -> None:
+        """A request with its prompt KV, first token and (if constrained) grammar joins the
+        running batch, or ends (its first token may end it; a failed grammar does)."""
+        if req.grammar is not None and req.grammar.error is not None:
+            out.finished += self.finish(req, FinishReason(FinishKind.ABORT, message=req.grammar.error))
+            return
         self.settle(req, out, joining=True)
         if req.finish is None:
             req.draft_len = 0
             self.decoding.prefilled([req])  # the draft state, from the transferred features
+
+    def _unpark(self, out: StepOutput) -> bool:
+        """Parked requests whose grammar is now ready (or failed, or past its deadline)
+        join the batch (or end); True if any did."""
+        self.parked = [r for r in self.parked if r.finish is None]
+        self.settle_grammars(self.parked)  # (the same on every TP rank)
+        done = [r for r in self.parked if r.grammar.ready]
+        for req in done:
+            self.parked.remove(req)
+            with self.guarded([req], out, "joining the running batch"):
+                self._join(req, out)
+        return bool(done)
 
     def fail_request(self, req: Req, message: str) -> list[Req]:
         h = self.handoffs.get(req.bootstrap_room)
@@ -244,11 +280,14 @@ class DecodeScheduler(Scheduler):
                 except Exception:
                     logger.exception("room %d: quarantining after an internal error failed", h.room)
             self.handoffs.remove(h)
+        if req in self.parked:
+            self.parked.remove(req)
         return super().fail_request(req, message)
 
     def live_requests(self) -> list[Req]:
         held = {id(r): r for r in super().live_requests()}
         held.update({id(h.req): h.req for h in self.handoffs if h.req.finish is None})
+        held.update({id(r): r for r in self.parked if r.finish is None})
         return list(held.values())
 
     def _quarantine(self, h: Handoff, reason: str, server_error: bool = True) -> list[Req]:
@@ -262,8 +301,9 @@ class DecodeScheduler(Scheduler):
     # ---- inspection -------------------------------------------------------------------
     def state(self) -> dict[str, object]:
         queued, transferring = self.handoffs.count(Phase.QUEUED), self.handoffs.count(Phase.TRANSFERRING)
-        return add_pd_state(super().state(), "decode", queued, transferring, self.manager, queued=queued,
-                            transferring=transferring, quarantined=self.handoffs.count(Phase.QUARANTINED),
+        return add_pd_state(super().state(), "decode", queued + len(self.parked), transferring, self.manager,
+                            queued=queued, transferring=transferring, grammar_parked=len(self.parked),
+                            quarantined=self.handoffs.count(Phase.QUARANTINED),
                             transfer_bytes=self.transfer_bytes, prefix_hit_tokens=self.prefix_hit_tokens)
 
     def close(self) -> None:

@@ -125,7 +125,7 @@ def stop_reason(req: Req, eos_ids: tuple[int, ...], context_len: int,
     if n_out >= p.min_new_tokens:
         if not p.ignore_eos and token in eos_ids:
             return FinishReason(FinishKind.STOP, matched=token)
-        if token in p.stop_token_ids:
+        if token in p.stop_token_set:  # built once per request, not per step
             return FinishReason(FinishKind.STOP, matched=token)
         if p.stop:
             longest = max(len(s) for s in p.stop)

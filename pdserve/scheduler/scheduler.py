@@ -34,7 +34,7 @@ from pdserve.scheduler.batch import Sampler, ScheduledBatch, StepOutput
 from pdserve.scheduler.decoding import PlainDecoding
 from pdserve.scheduler.admission import Admission, AdmissionTuning, too_big
 from pdserve.scheduler.faults import FaultIsolation
-from pdserve.scheduler.grammar import GrammarBackend
+from pdserve.scheduler.grammar import COMPILING, GrammarBackend, GrammarLimits
 from pdserve.scheduler.kv_manager import KVManager, size_kv_pages
 from pdserve.scheduler.req import FinishKind, FinishReason, Req, stop_reason
 from pdserve.speculative.decoding import EagleDecoding
@@ -95,7 +95,20 @@ class Scheduler(FaultIsolation, Admission):
         self.prefill_tokens_computed = 0
         # Compiles the grammars of constrained requests; set by the builder, which
         # holds the tokenizer (None: constrained requests are refused).
-        self.grammars: GrammarBackend | None = None
+        self._grammars: GrammarBackend | None = None
+        self.grammar_limits = GrammarLimits.from_args(args)
+
+    @property
+    def grammars(self) -> GrammarBackend | None:
+        return self._grammars
+
+    @grammars.setter
+    def grammars(self, backend: GrammarBackend | None) -> None:
+        # The builder (worker.build_scheduler) makes the backend; its deadline and cache
+        # bound are this scheduler's flags.
+        if backend is not None:
+            backend.configure(self.grammar_limits)
+        self._grammars = backend
 
     # ---- requests ---------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -113,6 +126,20 @@ class Scheduler(FaultIsolation, Admission):
                              "so it cannot constrain outputs")
         for sample in [req] + req.pending_forks:
             sample.grammar = self.grammars.state(sample.params)
+
+    def settle_grammars(self, reqs: list[Req]) -> None:
+        """Fix which of ``reqs``' grammars are done (compiled, failed, or past
+        --grammar-compile-timeout) before admission acts on it. Every TP rank compiles on
+        its own and finishes at its own moment, so the ranks agree (one collective, only
+        while some grammar is still compiling) and all admit or refuse the same requests."""
+        states = [r.grammar for r in reqs if r.grammar is not None and r.grammar.agreed in (None, COMPILING)]
+        if not states:
+            return
+        codes = [s.local_code() for s in states]
+        if self.tp.enabled:
+            codes = self.tp.all_reduce_min(torch.tensor(codes, dtype=torch.int64)).tolist()
+        for state, code in zip(states, codes):
+            state.settle(int(code))
 
     def abort(self, rid: str, message: str = "aborted by the client") -> list[Req]:
         """Abort every sample of `rid`; returns the requests that were finished."""
@@ -240,15 +267,21 @@ class Scheduler(FaultIsolation, Admission):
         done = [req] + req.pending_forks
         for child in req.pending_forks:
             child.finish = reason
+        for r in done:
+            if r.grammar is not None:
+                r.grammar.release()  # a compile only it waited for stops (the client left, or its deadline passed)
         req.pending_forks = []
         return done
 
     # ---- inspection ---------------------------------------------------------------------
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; only allowed when idle (like SGLang's /flush_cache)."""
+        """Drop the prefix cache and the compiled grammars; only allowed when idle (like
+        SGLang's /flush_cache)."""
         if self.has_work:
             return False
         self.kv.flush()
+        if self.grammars is not None:
+            self.grammars.flush()
         return True
 
     def state(self) -> dict[str, object]:
@@ -266,6 +299,7 @@ class Scheduler(FaultIsolation, Admission):
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "context_len": self.context_len,
             "avg_spec_accept_length": self.spec.avg_accept_length if self.spec is not None else None,
+            "grammar": self.grammars.stats() if self.grammars is not None else None,
         }
 
     def memory_state(self) -> dict[str, int]:

@@ -24,11 +24,19 @@ slots is waiting:
 
     queued = max(0, in-flight samples - max_running_requests)
 
+In flight: from submission until the response has taken the samples' last updates.
+A stream whose client does not read holds its connection and its samples' output in
+this process after the scheduler has finished it, so it counts until its client has
+taken it or `--send-timeout` has dropped the client (`TokenizerManager.in_flight_samples`).
+
 A request of `k` samples is refused (503 with `Retry-After`) when it would make
 `queued` exceed N. When the scheduler runs fewer than `max_running_requests` at once
 (KV memory is the limit) more wait than this counts; the bound is on what the server
-has accepted, never unbounded. A server with nothing in flight accepts any one request,
-so a request of more than `max_running_requests + N` samples is not refused forever.
+has accepted, never unbounded. A request of more than `max_running_requests + N`
+samples (prompts x n) could never fit: it is refused with a 400 naming both limits
+(retrying cannot help it), and one idle server's worth is the most one request may
+take, so a single request cannot hold every slot and queue place for its whole run
+while every other client gets 503s.
 """
 
 from __future__ import annotations
@@ -55,6 +63,11 @@ MAX_PROBE_PEERS = 256  # probes remembered (older ones are forgotten beyond this
 Peer = tuple[str, int]  # a client's (host, port), as uvicorn and Starlette give it
 
 
+class TooManySamples(ValueError):
+    """A request larger than the server can run plus queue: HTTP 400 (a ValueError, as
+    the routes' other validation errors, its message starting with the field)."""
+
+
 class Refused(Exception):
     """A request refused before it was submitted: HTTP 503 with Retry-After (app.py)."""
 
@@ -73,15 +86,29 @@ class QueueLimit:
     max_queued: int | None
     max_running: int
 
+    @property
+    def max_samples(self) -> int | None:
+        """The most samples one request may have: every running slot and queue place."""
+        return None if self.max_queued is None else self.max_running + self.max_queued
+
     def check(self, in_flight: int, new: int) -> None:
-        """Raise Refused if `new` more samples would queue past the limit."""
-        if self.max_queued is None or in_flight == 0:
+        """Raise TooManySamples if a request of `new` samples could never be admitted,
+        Refused if `new` more samples would queue past the limit now. (An idle server
+        admits any request that passes the first check.)"""
+        cap = self.max_samples
+        if cap is None:
             return
+        if new > cap:
+            raise TooManySamples(
+                f"n: the request has {new} samples (prompts x n), more than this server can run and "
+                f"queue: {self.max_running} running (--max-running-requests) + {self.max_queued} queued "
+                f"(--max-queued-requests) = {cap}; send fewer prompts or a smaller n")
         queued = max(0, in_flight + new - self.max_running)
         if queued > self.max_queued:
-            raise Refused(f"server overloaded: {max(0, in_flight - self.max_running)} requests already wait "
-                          f"beyond the {self.max_running} running slots (--max-queued-requests "
-                          f"{self.max_queued}); retry later or on another server")
+            raise Refused(f"server overloaded: {in_flight} samples in flight (running, waiting, or streams "
+                          f"still being delivered) for {self.max_running} running slots and {self.max_queued} "
+                          f"queue places (--max-queued-requests {self.max_queued}); retry later or on another "
+                          "server")
 
 
 class InFlight(Protocol):

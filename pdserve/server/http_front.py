@@ -8,8 +8,12 @@ before any request is parsed.
   A connection closed while the client is still sending (a 413, a 431) is closed
   "lingering": the answer is written, our side shut, and what the client still sends is
   read and dropped for up to `LINGER_S`, so that it reads the answer instead of a reset.
+  A client that takes none of what is sent to it for `--send-timeout` seconds (the
+  transport's buffer full, so the response waits on it) is dropped: the connection is
+  aborted and the route sees the client gone (a stream's request is aborted, its KV freed).
 - `KeyCheck` (ASGI): `--api-key` on every route but /health, `--admin-api-key` on the
-  admin routes; keys compared in constant time.
+  admin routes (without one, the admin routes answer loopback clients only); keys
+  compared in constant time.
 - `BodyLimit` (ASGI): a body above `--max-request-bytes` gets a 413 before it is parsed,
   whether it announced its length (Content-Length) or not (chunked).
 
@@ -19,9 +23,17 @@ Every refusal is OpenAI's error body (`http_common.error_body`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hmac
+import ipaddress
 import json
-from typing import Any, Awaitable, Callable, MutableMapping
+import logging
+import socket
+import struct
+import sys
+import termios
+from typing import Any, Awaitable, Callable, Collection, MutableMapping
 
 import h11
 from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
@@ -40,6 +52,10 @@ def error_body(message: str, kind: str, param: str | None, code: int | str) -> d
     """OpenAI's error shape, used by every route (SGLang's router expects it too)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 LINGER_S = 2.0                 # how long a closing connection drains what the client still sends
+logger = logging.getLogger(__name__)
+# ioctl request for a socket's unsent + unacknowledged bytes (Linux's SIOCOUTQ, which is
+# TIOCOUTQ's number); None elsewhere: only our own buffer is watched there.
+_SIOCOUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None
 ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache", "/drain"})
 OPEN_PATHS = frozenset({"/health"})  # no key needed (load balancers, orchestrators)
 
@@ -81,24 +97,53 @@ def is_admin(scope: Scope, admin_api_key: str | None) -> bool:
     return key_matches(bearer(scope), admin_api_key)
 
 
+def is_loopback_client(scope: Scope) -> bool:
+    """Whether the peer of the connection is a loopback address (127.0.0.0/8, ::1, or
+    127.x as an IPv4-mapped IPv6 address). No peer address (not TCP) is not loopback."""
+    client = scope.get("client")
+    if not client:
+        return False
+    try:
+        ip = ipaddress.ip_address(str(client[0]).split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
 class KeyCheck:
     """ASGI middleware. With --api-key, every route but /health needs `Bearer KEY` (the admin
-    key is accepted too). With --admin-api-key, /abort_request, /flush_cache and /drain need
-    `Bearer ADMIN_KEY` (the API key is not enough: those act on other clients' requests,
-    on the shared cache and on the server's life). 401 otherwise."""
+    key is accepted too). The admin routes (`admin_paths`, and paths under `admin_prefixes`:
+    the servers' /abort_request, /flush_cache and /drain) act on other clients' requests, on
+    the shared cache and on the process's life: with --admin-api-key they need `Bearer
+    ADMIN_KEY` (the API key is not enough: 401); without one they answer only loopback
+    clients (403 to any other, naming the flag), and those still need the API key if one is
+    set. Loopback is trusted because whoever can connect from it can already signal the
+    process; a reverse proxy on the same machine makes every client loopback: give it an
+    admin key."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None,
+                 admin_paths: Collection[str] = ADMIN_PATHS, admin_prefixes: tuple[str, ...] = ()) -> None:
         self.app = app
         self.api_key = api_key
         self.admin_api_key = admin_api_key
+        self.admin_paths = frozenset(admin_paths)
+        self.admin_prefixes = admin_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path, given = scope["path"], bearer(scope)
-            if path in ADMIN_PATHS and self.admin_api_key:
+            admin_route = path in self.admin_paths or path.startswith(self.admin_prefixes)
+            if admin_route and self.admin_api_key:
                 if not key_matches(given, self.admin_api_key):
-                    return await send_error(send, f"{path} needs the admin API key (--admin-api-key)", 401,
-                                            "authentication_error")
+                    return await send_error(send, f"{path} is an admin route: it needs the admin API key "
+                                            "(Authorization: Bearer KEY of --admin-api-key); the API key is "
+                                            "not enough", 401, "authentication_error")
+            elif admin_route and not is_loopback_client(scope):
+                return await send_error(send, f"{path} is an admin route: without --admin-api-key it answers only "
+                                        "loopback clients (127.0.0.0/8, ::1); set --admin-api-key and send "
+                                        "that key", 403, "permission_error")
             elif self.api_key and path not in OPEN_PATHS:
                 if not (key_matches(given, self.api_key) or key_matches(given, self.admin_api_key)):
                     return await send_error(send, "invalid or missing API key", 401, "authentication_error")
@@ -175,6 +220,7 @@ class ReadDeadlineH11Protocol(H11Protocol):
     module doc). `protocol_class(read_timeout)` makes the class uvicorn instantiates."""
 
     read_timeout = 10.0
+    send_timeout: float | None = None  # None: a client may stop reading for ever
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -182,6 +228,66 @@ class ReadDeadlineH11Protocol(H11Protocol):
         self.lingering = False
         self.raw: asyncio.Transport | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._send_left = 0  # bytes the client had not taken at the last look (see _untaken)
+
+    # ---- send deadline --------------------------------------------------------------------
+    # asyncio pauses writing once the transport buffers more than its high-water mark (the
+    # kernel's socket buffers are full: the client is not reading), and uvicorn's send()
+    # then waits: a stream stops producing and holds its connection, its request and, on a
+    # finished request, its output. nginx's send_timeout: the client gets `send_timeout`
+    # seconds to take something; one that took nothing in that time is gone.
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.send_timeout is not None and self._send_timer is None and self.raw is not None:
+            self._send_left = self._untaken()
+            self._send_timer = self.loop.call_later(self.send_timeout, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_send_timer()
+
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _untaken(self) -> int:
+        """Bytes written that the client has not taken: our transport's buffer and the
+        kernel's send queue (SIOCOUTQ: unsent or unacknowledged; Linux). The kernel's
+        count moves as soon as the client reads; our buffer only once a good part of the
+        kernel's (megabytes on loopback) is free, long after a slow reader took some."""
+        assert self.raw is not None
+        left = self.raw.get_write_buffer_size()
+        sock = self.raw.get_extra_info("socket")
+        if sock is not None and _SIOCOUTQ is not None:
+            with contextlib.suppress(OSError, ValueError):
+                left += struct.unpack("i", fcntl.ioctl(sock.fileno(), _SIOCOUTQ, b"\0" * 4))[0]
+        return left
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        if self.raw is None or self.send_timeout is None:
+            return
+        left = self._untaken()
+        if left == 0:
+            return
+        if left < self._send_left:  # it took some (a slow reader, not a gone one): another period
+            self._send_left = left
+            self._send_timer = self.loop.call_later(self.send_timeout, self._send_timed_out)
+            return
+        logger.warning("dropped client %s: it took none of its response for %g s (--send-timeout)",
+                       "%s:%d" % self.client if self.client else "?", self.send_timeout)
+        # A reset, not a close: close() would wait for our buffer to drain, and even a
+        # closed socket keeps its unsent bytes (megabytes on loopback) in the kernel until
+        # this client reads them or TCP gives up, minutes later. connection_lost follows:
+        # uvicorn marks the request disconnected and wakes its send(), so the route sees
+        # the client gone.
+        sock = self.raw.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.raw.abort()
 
     # ---- deadline -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -290,11 +396,14 @@ class ReadDeadlineH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_send_timer()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         super().connection_lost(exc)
 
 
-def protocol_class(read_timeout: float) -> type[ReadDeadlineH11Protocol]:
-    """The protocol class for uvicorn.Config(http=...), with this server's read deadline."""
-    return type("PdserveH11Protocol", (ReadDeadlineH11Protocol,), {"read_timeout": read_timeout})
+def protocol_class(read_timeout: float, send_timeout: float | None = None) -> type[ReadDeadlineH11Protocol]:
+    """The protocol class for uvicorn.Config(http=...), with this server's read deadline and
+    send deadline (None: none)."""
+    return type("PdserveH11Protocol", (ReadDeadlineH11Protocol,),
+                {"read_timeout": read_timeout, "send_timeout": send_timeout})

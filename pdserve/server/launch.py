@@ -25,10 +25,12 @@ from pdserve.config import ServerArgs
 from pdserve.engine import resolve_model_dir
 from pdserve.logs import quiet_uvicorn
 from pdserve.requests import RequestBuilder
+from pdserve.scheduler.grammar import GrammarLimits
 from pdserve.scheduler.worker import free_tcp_port
 from pdserve.server import ipc
 from pdserve.server.detokenizer import run_detokenizer_process
 from pdserve.server.drain import Drain, QueueLimit
+from pdserve.server.grammar_check import GrammarChecker
 from pdserve.server.app import create_app
 from pdserve.server.http_front import MAX_HEADER_BYTES, protocol_class
 from pdserve.server.metrics import ServerMetrics
@@ -150,7 +152,8 @@ def launch(args: ServerArgs) -> int:
         builder = RequestBuilder(tokenizer, rank0["context_len"], rank0["vocab_size"], args.max_n,
                                  args.random_seed)
         metrics = ServerMetrics()
-        manager = TokenizerManager(builder, paths, metrics, procs)
+        manager = TokenizerManager(builder, paths, metrics, procs,
+                                   grammar=GrammarChecker(GrammarLimits.from_args(args)))
         drain = Drain(manager, args.graceful_shutdown_timeout)
         manager.drain = drain
         manager.queue_limit = QueueLimit(args.max_queued_requests, args.max_running_requests)
@@ -172,7 +175,8 @@ def launch(args: ServerArgs) -> int:
         # timeout_graceful_shutdown: after a drain only finished responses are still being
         # written; on Ctrl-C it is what in-flight requests get.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=5, http=protocol_class(args.request_read_timeout),
+                                timeout_graceful_shutdown=5,
+                                http=protocol_class(args.request_read_timeout, args.send_timeout),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                                 timeout_keep_alive=min(5.0, args.request_read_timeout))
         quiet_uvicorn(args.log_level)  # after Config, which sets uvicorn's loggers up

@@ -32,8 +32,11 @@ def generate_requests(args: ServerArgs, manager: TokenizerManager, req: Generate
     if req.rid is not None:
         rids = [req.rid] if isinstance(req.rid, str) else list(req.rid)
     start = -1 if req.logprob_start_len is None else req.logprob_start_len
+    # Prompt logprobs are bounded (--max-prompt-logprob-entries): a 2000-token prompt with
+    # n=16 and 20 alternatives asked for a response 2000x the body's size.
     return b.build(prompts, params, req.return_logprob, req.top_logprobs_num, rids,
-                   bootstrap_of(args, req, params), logprob_start_len=start), single
+                   bootstrap_of(args, req, params), logprob_start_len=start,
+                   max_prompt_logprob_entries=args.max_prompt_logprob_entries), single
 
 
 async def generate_events(manager: TokenizerManager, job: Job, token_text: TokenTexts | None

@@ -17,7 +17,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.grammar import check_constraint
 from pdserve.scheduler.messages import NewRequest
 from pdserve.server.http_common import bootstrap_of
-from pdserve.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+from pdserve.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest, json_field,
                                      refuse_unsupported)
 from pdserve.server.tool_calls import ToolPlan
 
@@ -134,7 +134,10 @@ def response_format_schema(response_format: Any, json_schema: str | None) -> str
     schema = spec.get("schema", spec.get("schema_"))
     if not isinstance(schema, (dict, bool)):
         raise ValueError("response_format.json_schema.schema: must be a JSON schema object")
-    text = json.dumps(schema)
+    try:
+        text = json.dumps(schema)
+    except RecursionError:  # not a ValueError: it would leave as a 500
+        raise ValueError("response_format.json_schema.schema: nested too deeply to encode") from None
     try:
         check_constraint(SamplingParams(json_schema=text))
     except ValueError as exc:
@@ -156,10 +159,13 @@ def completion_requests(args: ServerArgs, builder: RequestBuilder, req: Completi
     params = [sampling_params(req, req.max_tokens if req.max_tokens is not None
                               else builder.context_len - len(p), COMPLETION_FIELDS) for p in prompts]
     rids = [req.rid] if isinstance(req.rid, str) else req.rid
-    # echo + logprobs: the echoed prompt's tokens come with their logprobs (vLLM, OpenAI).
+    # echo + logprobs: the echoed prompt's tokens come with their logprobs (vLLM, OpenAI),
+    # as many as --max-prompt-logprob-entries allows.
     return builder.build(prompts, params, req.logprobs is not None, req.logprobs or 0, rids,
                          bootstrap_of(args, req, params), COMPLETION_FIELDS,
-                         logprob_start_len=0 if req.echo and req.logprobs is not None else -1), texts
+                         logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
+                         max_prompt_logprob_entries=args.max_prompt_logprob_entries,
+                         prompt_logprobs_field="echo"), texts
 
 
 def chat_prompt(builder: RequestBuilder, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> str:
@@ -186,10 +192,7 @@ def template_message(i: int, m: ChatMessage) -> dict[str, Any]:
         calls = []
         for j, c in enumerate(m.tool_calls):
             where = f"messages[{i}].tool_calls[{j}].function.arguments"
-            try:
-                args = json.loads(c.function.arguments) if c.function.arguments.strip() else {}
-            except ValueError:
-                raise ValueError(f"{where}: is not valid JSON") from None
+            args = json_field(c.function.arguments, where) if c.function.arguments.strip() else {}
             if not isinstance(args, dict):
                 raise ValueError(f"{where}: must encode a JSON object")
             calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
@@ -211,8 +214,12 @@ def render_chat(builder: RequestBuilder, chat: Sequence[ChatMessage], template_k
     (the template's own `tools` variable). Raises ValueError naming the field."""
     messages = [template_message(i, m) for i, m in enumerate(chat)]
     # Before rendering: the conversation alone (each message at least its role, content and calls).
-    builder.check_chars(sum(len(m["role"]) + len(m["content"]) + len(json.dumps(m.get("tool_calls", "")))
-                            for m in messages) + len(json.dumps(tools or "")), "messages", "the conversation's ")
+    try:
+        chars = sum(len(m["role"]) + len(m["content"]) + len(json.dumps(m.get("tool_calls", "")))
+                    for m in messages) + len(json.dumps(tools or ""))
+    except RecursionError:  # arguments or tool parameters nested deeper than the encoder goes
+        raise ValueError("messages: the tool calls or tools are nested too deeply to encode") from None
+    builder.check_chars(chars, "messages", "the conversation's ")
     try:
         prompt_text = builder.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                             tokenize=False, tools=tools or None,
@@ -248,7 +255,10 @@ def constrain_to_tools(params: SamplingParams, plan: ToolPlan | None) -> Samplin
     """`tool_choice` required or a named function: the output is constrained to the plan's
     JSON schema (the grammar machinery's `json_schema`), so that it always parses into
     calls. Raises ValueError naming the field."""
-    schema = plan.json_schema() if plan is not None else None
+    try:
+        schema = plan.json_schema() if plan is not None else None
+    except RecursionError:  # a tool's parameters nested deeper than the encoder goes
+        raise ValueError("tools: a function's parameters are nested too deeply to encode") from None
     if schema is None:
         return params
     if any(getattr(params, f, None) is not None for f in ("json_schema", "regex", "ebnf")):

@@ -9,6 +9,7 @@ can say exactly that. An explicit null for an optional field means its default.
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, Literal, Optional, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -30,6 +31,18 @@ def from_value_error(exc: ValueError) -> ApiError:
     text = str(exc)
     field_name = text.split(":", 1)[0].strip() if ":" in text else None
     return ApiError(text, field_name if field_name and " " not in field_name else None)
+
+
+def json_field(text: str, field_name: str) -> Any:
+    """The JSON a string field carries (a tool call's arguments). Raises ValueError naming
+    the field when it does not parse, also when it nests too deeply for the parser: that
+    is a RecursionError, which is not a ValueError and would leave as a 500."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{field_name}: JSON nested too deeply to parse") from None
+    except ValueError:
+        raise ValueError(f"{field_name}: is not valid JSON") from None
 
 
 @functools.cache

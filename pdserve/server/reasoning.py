@@ -2,10 +2,12 @@
 `<think>` and `</think>`, goes to `reasoning_content`, the rest to `content`.
 
 Two conventions (SGLang's parser names):
-- `qwen3`: the output holds reasoning only when a `<think>` tag opens it; text before
-  the tag is content. With `chat_template_kwargs: {"enable_thinking": false}` the
-  template closes the thinking in the prompt and the whole output is content
-  (`parser_for` returns None then).
+- `qwen3`: the output holds reasoning only when a `<think>` tag opens it (nothing but
+  whitespace before it, as vLLM's parser splits); once content has started, a `<think>`
+  is text (issue 39: a literal tag inside a tool call's arguments moved the rest of the
+  answer, the call included, into the reasoning). With `chat_template_kwargs:
+  {"enable_thinking": false}` the template closes the thinking in the prompt and the
+  whole output is content (`parser_for` returns None then).
 - `deepseek-r1`: the chat template already opened the thinking in the prompt, so the
   output starts inside it (a leading `<think>` the model writes anyway is dropped):
   everything up to `</think>` is reasoning.
@@ -28,6 +30,7 @@ THINK_END = "</think>"
 # name -> whether the output starts inside the reasoning
 REASONING_PARSERS: dict[str, bool] = {"deepseek-r1": True, "qwen3": False}
 
+# _BEFORE: qwen3's output before anything but whitespace came (a <think> may still open it).
 _BEFORE, _REASONING, _CONTENT = "before", "reasoning", "content"
 
 
@@ -68,10 +71,8 @@ class ReasoningParser:
                 if head.startswith(THINK_START):
                     self.buffer = head[len(THINK_START):]
                     self.state = _REASONING
-            elif self.state == _BEFORE:
-                if not self._take_until(THINK_START, content):
-                    break
-                self.state = _REASONING
+                elif self.state == _BEFORE:
+                    self.state = _CONTENT  # qwen3: content came first, a later <think> is text
             else:  # _REASONING
                 if not self._take_until(THINK_END, reasoning):
                     break

@@ -1,5 +1,8 @@
 """Routes about the server rather than generation: health, models, info, load,
-cache flush, metrics and aborts (SGLang's names, which its router calls)."""
+cache flush, metrics and aborts (SGLang's names, which its router calls).
+
+/abort_request, /flush_cache and /drain are admin routes: http_front.KeyCheck lets through
+only the --admin-api-key holder, or, without an admin key, loopback clients."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pdserve.server.openai_requests import check_chat_template_kwargs, check_mod
 from pdserve.server.tool_calls import tool_plan
 from pdserve.server.protocol import ApiError, DetokenizeRequest, TokenizeRequest, from_value_error
 from pdserve.server.tokenizer_manager import TokenizerManager
-from pdserve.requests import check_text
+from pdserve.requests import MAX_CHARS_PER_TOKEN, check_text
 
 
 def tokenize(args: ServerArgs, manager: TokenizerManager, req: TokenizeRequest,
@@ -36,25 +36,40 @@ def tokenize(args: ServerArgs, manager: TokenizerManager, req: TokenizeRequest,
         if not req.messages:
             raise ValueError("messages: must not be empty")
         check_chat_template_kwargs(req.chat_template_kwargs or {}, template_args, args.allow_client_chat_template)
-        # The tools as a chat request renders them (checked the same way: duplicate names...).
-        plan = tool_plan([t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-                         "none", None, None)
-        text = render_chat(b, req.messages, req.chat_template_kwargs, req.add_generation_prompt,
-                           tools=plan.tools if plan is not None else None)
+        try:
+            # The tools as a chat request renders them (checked the same way: duplicate names...).
+            plan = tool_plan([t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                             "none", None, None)
+            text = render_chat(b, req.messages, req.chat_template_kwargs, req.add_generation_prompt,
+                               tools=plan.tools if plan is not None else None)
+        except RecursionError:  # JSON nested deeper than Python goes, wherever: a 400, not a 500
+            raise ValueError("messages: nested too deeply to render") from None
         special = bool(req.add_special_tokens)  # the template writes its own special tokens
     return list(b.tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
 def detokenize(manager: TokenizerManager, tokens: Sequence[int]) -> str:
-    """The text of `tokens`. Raises ValueError naming the field."""
-    vocab = manager.builder.vocab_size
+    """The text of `tokens`. Raises ValueError naming the field.
+
+    The response is bounded as /tokenize's input is (issue 39: a token's text is many times
+    the bytes of its id, so a small body could ask for a response many times its size):
+    at most the context length in tokens, and at most as many characters as a prompt
+    may have (`RequestBuilder.max_prompt_chars`)."""
+    b = manager.builder
+    if len(tokens) > b.context_len:
+        raise ValueError(f"tokens: {len(tokens)} tokens, above the limit {b.context_len} (the context length)")
+    vocab = b.vocab_size
     for i, t in enumerate(tokens):
         if not 0 <= t < vocab:
             raise ValueError(f"tokens: tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
     try:
-        return manager.tokenizer.decode(list(tokens))
+        text = manager.tokenizer.decode(list(tokens))
     except Exception as exc:  # an id the model has but the tokenizer cannot map
         raise ValueError(f"tokens: cannot be decoded: {exc}") from None
+    if len(text) > b.max_prompt_chars:
+        raise ValueError(f"tokens: their text has {len(text)} characters, above the limit {b.max_prompt_chars} "
+                         f"(the longest prompt: the context length x {MAX_CHARS_PER_TOKEN} characters per token)")
+    return text
 
 
 class TokenizeRoutes:

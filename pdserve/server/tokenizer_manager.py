@@ -15,7 +15,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import zmq
@@ -26,6 +26,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import Command, NewRequest
 from pdserve.server import ipc
 from pdserve.server.drain import Drain, QueueLimit
+from pdserve.server.grammar_check import GrammarChecker
 from pdserve.server.messages import Reply, TextBatch, TextUpdate
 from pdserve.server.metrics import ServerMetrics
 
@@ -62,7 +63,7 @@ class RequestState:
     prompt_ids: list[int]
     params: SamplingParams
     samples: list[SampleResult]
-    queue: asyncio.Queue  # shared by every prompt of one HTTP request
+    queue: Updates  # shared by every prompt of one HTTP request
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
@@ -90,11 +91,96 @@ class ClientGone(Exception):
     """The client of a non-streaming request disconnected; its prompts were aborted."""
 
 
+class _Merged:
+    """The updates of one sample its consumer has not taken yet, as one: the deltas
+    (text, tokens, logprobs) concatenated, the counters and finish of the latest, the
+    once-only fields (sampling params, prompt logprobs) of the first that had them."""
+
+    def __init__(self, state: RequestState, update: TextUpdate) -> None:
+        self.state = state
+        self.first = self.last = update
+        # Filled at the second update (most samples never get one: a reading client
+        # takes each update before the next arrives).
+        self.texts: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.tops: list[tuple[tuple[float, int], ...]] = []
+
+    def add(self, update: TextUpdate) -> None:
+        if self.last is self.first:
+            self._extend(self.first)
+        self._extend(update)
+        self.last = update
+
+    def _extend(self, update: TextUpdate) -> None:
+        self.texts.append(update.text_delta)
+        self.ids.extend(update.token.new_ids)
+        self.logprobs.extend(update.token.new_logprobs)
+        self.tops.extend(update.token.new_top_logprobs)
+
+    def update(self) -> TextUpdate:
+        if self.last is self.first:
+            return self.first
+        first, last = self.first.token, self.last.token
+        with_input = first if first.input_logprobs is not None else last
+        token = replace(last, new_ids=tuple(self.ids), new_logprobs=tuple(self.logprobs),
+                        new_top_logprobs=tuple(self.tops), params=first.params or last.params,
+                        finish=last.finish if last.finish is not None else first.finish,
+                        input_logprobs=with_input.input_logprobs, input_top_logprobs=with_input.input_top_logprobs)
+        return TextUpdate(token, "".join(self.texts))
+
+
+class Updates:
+    """What one job's consumer has not taken yet: at most one pending update per sample.
+
+    A stream is read as fast as its client takes it; a client that reads slowly or not at
+    all must not make the server queue one update per step (with logprobs, kilobytes each)
+    without bound. An update for a sample whose previous one is still pending is merged
+    into it (`_Merged`): the consumer gets the same text and tokens in fewer, larger
+    deltas, as SGLang's tokenizer manager hands a slow stream the latest state. Pending
+    memory is then bounded by what the samples produce (which the request's state holds
+    anyway), not by how many steps produced it. A failure (str) comes after what is pending.
+    Duck-types the part of asyncio.Queue the manager uses (put_nowait, get)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[int, int], _Merged] = {}  # (id(state), sample) -> merged, oldest first
+        self._failure: str | None = None
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: tuple[RequestState, TextUpdate] | str) -> None:
+        if isinstance(item, str):
+            if self._failure is None:
+                self._failure = item
+        else:
+            state, update = item
+            key = (id(state), update.token.index)
+            merged = self._pending.get(key)
+            if merged is None:
+                self._pending[key] = _Merged(state, update)
+            else:
+                merged.add(update)
+        self._ready.set()
+
+    async def get(self) -> tuple[RequestState, TextUpdate] | str:
+        while not self._pending and self._failure is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._pending:
+            merged = self._pending.pop(next(iter(self._pending)))
+            return merged.state, merged.update()
+        assert self._failure is not None
+        return self._failure
+
+    def qsize(self) -> int:
+        """Items a get() would return without waiting (one per sample with updates pending)."""
+        return len(self._pending) + (self._failure is not None)
+
+
 @dataclass
 class Job:
     """The prompts of one HTTP request and the queue their updates arrive on."""
     states: list[RequestState]
-    queue: asyncio.Queue
+    queue: Updates
     # rid -> position of the prompt's first sample in the flat list of samples
     _first: dict[str, int] = field(init=False, repr=False)
 
@@ -114,7 +200,7 @@ class Job:
 
 class TokenizerManager:
     def __init__(self, builder: RequestBuilder, paths: ipc.IpcPaths, metrics: ServerMetrics,
-                 children: list[Any]) -> None:
+                 children: list[Any], grammar: GrammarChecker | None = None) -> None:
         self.builder = builder
         self.tokenizer = builder.tokenizer
         self.metrics = metrics
@@ -123,11 +209,17 @@ class TokenizerManager:
         self.to_scheduler = ipc.socket(self.ctx, zmq.PUSH, paths.scheduler, bind=False)
         self.inbox = ipc.socket(self.ctx, zmq.PULL, paths.http, bind=True)
         self.requests: dict[str, RequestState] = {}
+        # id(job) -> the jobs whose updates a consumer is taking (`stream`), until it is
+        # done: a stream's samples count as in flight until its client has taken them.
+        self.delivering: dict[int, Job] = {}
         # rid -> whether it was aborted, for the requests being tokenized (not yet submitted).
         self.preparing: dict[str, bool] = {}
         # rid -> when an admin's abort for it arrived before the request did.
         self.early_aborts: dict[str, float] = {}
         self.executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pdserve-prepare")
+        # Grammar checks run on their own thread, not on the tokenizing ones (off_loop), with
+        # the server's --grammar-* limits (launch passes them).
+        self.grammar = grammar if grammar is not None else GrammarChecker()
         self.replies: dict[str, asyncio.Future] = {}
         self.query_lock = asyncio.Lock()
         self.dead_reason: str | None = None
@@ -144,12 +236,26 @@ class TokenizerManager:
         for t in self._tasks:
             t.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.grammar.close()
         self.ctx.destroy(linger=0)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in a preparing thread: tokenization and template rendering take time
-        in proportion to what a client sent, and the event loop serves everyone."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+        in proportion to what a client sent, and the event loop serves everyone. The grammars
+        it meets (json_schema, regex, ebnf) are parsed on the grammar thread instead
+        (server/grammar_check.py): a slow schema never holds a tokenizing thread."""
+        loop = asyncio.get_running_loop()
+        result, pending = await loop.run_in_executor(self.executor, functools.partial(self.grammar.build, fn, *args))
+        if not pending:
+            return result
+        # The request's grammars, parsed on the grammar thread (grammar_check.py). An
+        # invalid or slow one: build again, which raises the error as its caller names it.
+        failures = await self.grammar.resolve(pending)
+        if failures:
+            await loop.run_in_executor(self.executor, functools.partial(self.grammar.build, fn, *args,
+                                                                        failures=failures))
+            raise ValueError(next(iter(failures.values())))  # (not reached: the build raised)
+        return result
 
     @contextlib.contextmanager
     def preparing_rids(self, rids: Sequence[str]) -> Iterator[None]:
@@ -185,14 +291,15 @@ class TokenizerManager:
         live = [m.rid for m in requests if m.rid in self.requests]
         if live:
             raise ValueError(f"rid: {live[0]!r} is already in flight")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Updates()
         states = [RequestState(m.rid, list(m.prompt_ids), m.params, [SampleResult(j) for j in range(m.params.n)],
                                queue, return_logprob=m.return_logprob, top_logprobs_num=m.top_logprobs_num,
                                logprob_start_len=m.logprob_start_len)
                   for m in requests]
         for state in states:
             self.requests[state.rid] = state
-        await self.to_scheduler.send(ipc.dumps(Command(add=tuple(requests))))
+        # The grammars go as the EBNF parsed here: the scheduler does not parse them again.
+        await self.to_scheduler.send(ipc.dumps(Command(add=tuple(self.grammar.to_scheduler(m) for m in requests))))
         overtaken = tuple(st.rid for st in states if self._early_abort(st.rid) or self.preparing.get(st.rid))
         if overtaken:
             await self.to_scheduler.send(ipc.dumps(Command(abort=overtaken)))
@@ -203,8 +310,13 @@ class TokenizerManager:
         return len(self.requests)
 
     def in_flight_samples(self) -> int:
-        """Samples submitted and not finished: each needs a scheduler slot."""
-        return sum(len(st.samples) for st in self.requests.values())
+        """Samples submitted and not yet delivered: each needs a scheduler slot while it
+        runs, and a stream whose client has not taken its end yet (one that does not read
+        keeps it up to --send-timeout) still holds its connection and the samples' output
+        here, so it counts toward --max-queued-requests until then."""
+        live = sum(len(st.samples) for st in self.requests.values())
+        return live + sum(len(st.samples) for job in self.delivering.values() for st in job.states
+                          if self.requests.get(st.rid) is not st)
 
     async def abort_all(self, reason: str) -> int:
         """End every request in flight now: its handler gets ServerUnavailable(reason) (its
@@ -255,6 +367,7 @@ class TokenizerManager:
         # Count final updates as they are consumed: sample state is updated when a
         # message arrives, possibly before earlier queued updates have been yielded.
         unfinished = sum(len(st.samples) for st in job.states)
+        self.delivering[id(job)] = job
         try:
             while unfinished:
                 item = await job.queue.get()
@@ -267,6 +380,7 @@ class TokenizerManager:
                     unfinished -= 1
                 yield state, update
         finally:
+            self.delivering.pop(id(job), None)  # (before any await: even if cancelled again)
             for state in job.states:
                 if not state.finished:
                     await self.abort(state.rid)
@@ -309,7 +423,10 @@ class TokenizerManager:
         return await self.query(Command(get_state=True), "state")
 
     async def flush_cache(self) -> bool:
-        return bool(await self.query(Command(flush_cache=True), "flushed"))
+        flushed = bool(await self.query(Command(flush_cache=True), "flushed"))
+        if flushed:
+            self.grammar.flush()  # (the scheduler flushed its compiled grammars too)
+        return flushed
 
     # ---- background -----------------------------------------------------------------
     async def _receive_loop(self) -> None:

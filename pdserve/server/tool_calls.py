@@ -196,14 +196,14 @@ def _as_call(obj: Any, names: frozenset[str], args_keys: tuple[str, ...]) -> tup
         if key in obj:
             args = obj[key]
             break
-    if isinstance(args, str):
-        try:
+    try:
+        if isinstance(args, str):
             args = json.loads(args)
-        except ValueError:
+        if not isinstance(args, dict):
             return None
-    if not isinstance(args, dict):
+        return obj["name"], json.dumps(args, ensure_ascii=False)
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
 class _TextParser(ToolOutput):
@@ -277,7 +277,7 @@ class HermesParser(_TextParser):
     def _close(self, body: str, end: str, content: list[str], calls: list[Delta]) -> None:
         try:
             call = _as_call(json.loads(body), self.names, ("arguments", "parameters"))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             call = None
         if call is None:  # not a call: the tags and all stay text
             self._content(self.START + body + end, content)
@@ -349,6 +349,9 @@ class Llama3JsonParser(_TextParser):
                     break
                 try:
                     obj, end = self.decoder.raw_decode(head)
+                except RecursionError:  # nested deeper than the parser goes: not a call, text
+                    self._to_text()
+                    continue
                 except ValueError:
                     break  # incomplete (or malformed: then it is content at the end)
                 call = _as_call(obj, self.names, ("parameters", "arguments"))
@@ -425,6 +428,9 @@ class RequiredCalls(ToolOutput):
                     break
                 try:
                     obj, end = self.decoder.raw_decode(head)
+                except RecursionError:  # nested deeper than the parser goes: not a call, text
+                    self._to_text()
+                    break
                 except ValueError:
                     break  # the item is still coming
                 call = _as_call(obj, self.names, ("parameters",))

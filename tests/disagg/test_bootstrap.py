@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 
 from pdserve.disagg import protocol as P
-from pdserve.disagg.bootstrap import BootstrapError, BootstrapServer, fetch_ranks, register_rank
+from pdserve.disagg.bootstrap import (AUTH_HEADER, REGISTRY_RECIPIENT, BootstrapError, BootstrapServer, fetch_ranks,
+                                      register_rank)
 from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, KVLayout
 
 COMPAT = CompatRecord(PROTOCOL_VERSION, "LlamaForCausalLM", 4, 4, 32, "float32", 1, 104)
@@ -69,7 +70,7 @@ def test_bad_registrations_are_refused(server):
         register_rank(url, rank(1, 4), REGISTRY)
     with pytest.raises(BootstrapError, match="tp_rank 3"):
         register_rank(url, rank(3, 2), REGISTRY)
-    status, body = put(url, P.encode(P.Abort(1, "x"), REGISTRY))
+    status, body = put(url, P.encode(P.Abort(1, "x"), REGISTRY, to=REGISTRY_RECIPIENT))
     assert status == 400 and "expected RankInfo" in body["error"]
     status, body = put(url, b'{"v": %d, "type": "Abort", "body": {}}' % PROTOCOL_VERSION,
                        {"Content-Type": "application/json"})
@@ -81,10 +82,11 @@ def test_only_the_servers_own_ranks_can_register(server):
     """Anyone else's registration (unsigned, another key, a replay of a real one) is
     refused: new decode connections can never be sent to an attacker's address."""
     url = f"http://127.0.0.1:{server.port}"
-    real = P.encode(rank(0, 1), REGISTRY)
+    real = P.encode(rank(0, 1), REGISTRY, to=REGISTRY_RECIPIENT)
     assert put(url, real)[0] == 200
     evil = P.RankInfo(0, 1, "10.6.6.6", 7000, "10.6.6.6:1", COMPAT, rank(0, 1).layout)
-    for data in (P.encode(evil), P.encode(evil, P.Authenticator(b"x" * 32, "prefill-rank0")), real):
+    for data in (P.encode(evil), P.encode(evil, P.Authenticator(b"x" * 32, "prefill-rank0"), to=REGISTRY_RECIPIENT),
+                 real):
         status, body = put(url, data)
         assert status == 403, body
     assert fetch_ranks(url, deadline_s=1) == [rank(0, 1)]
@@ -106,6 +108,45 @@ def test_with_a_deployment_secret_only_its_holders_can_list_the_ranks():
         assert fetch_ranks(url, deadline_s=1, auth=P.Authenticator(SECRET, "decode-rank0")) == [rank(0, 1)]
     finally:
         s.close()
+
+
+def test_a_listing_request_signed_for_one_server_is_refused_by_another():
+    """Two prefill servers of one deployment (same secret): a listing request names the
+    server it is for (its identity from GET /health), so one captured on its way to A
+    is refused by B (and by A once used); a registration is bound to the registry."""
+    a, b = (BootstrapServer("127.0.0.1", 0, REGISTRY, P.Authenticator(SECRET, "bootstrap")) for _ in range(2))
+    try:
+        urls = [f"http://127.0.0.1:{s.port}" for s in (a, b)]
+        for url in urls:
+            register_rank(url, rank(0, 1), REGISTRY)
+        ids = []
+        for url in urls:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                ids.append(json.loads(r.read())["id"])
+        assert ids[0] != ids[1]
+        decode = P.Authenticator(SECRET, "decode-rank0")
+        for_a = P.encode(P.Heartbeat("decode-rank0"), decode, to=ids[0]).decode()
+
+        def listing(url: str, header: str) -> int:
+            req = urllib.request.Request(url + "/ranks", headers={AUTH_HEADER: header})
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    return r.status
+            except urllib.error.HTTPError as err:
+                return err.code
+        assert listing(urls[1], for_a) == 401          # captured, sent to B
+        assert listing(urls[0], for_a) == 200          # A's own
+        assert listing(urls[0], for_a) == 401          # replayed to A
+        assert b.refused == 1 and a.refused == 1
+        # A control-link message (addressed to a control address) does not list either.
+        assert listing(urls[0], P.encode(P.Heartbeat("x"), decode, to="tcp://127.0.0.1:1").decode()) == 401
+        assert fetch_ranks(urls[1], deadline_s=1, auth=decode) == [rank(0, 1)]
+        # A registration addressed to anything but the registry is refused.
+        status, _ = put(urls[0], P.encode(rank(0, 1), REGISTRY, to=ids[0]))
+        assert status == 403
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("raw", [

@@ -109,13 +109,13 @@ def test_a_compiling_grammar_does_not_hold_the_batch(make_engine, monkeypatch):
     engine = make_engine(asset_path("demo"))
     sched = engine._scheduler
     release = threading.Event()
-    real = GrammarBackend._compile
+    real = GrammarBackend._compile_inline
 
-    def slow(self: GrammarBackend, kind: str, text: str) -> Any:
+    def slow(self: GrammarBackend, job: Any) -> Any:
         release.wait(timeout=60)
-        return real(self, kind, text)
+        return real(self, job)
 
-    monkeypatch.setattr(GrammarBackend, "_compile", slow)
+    monkeypatch.setattr(GrammarBackend, "_compile_inline", slow)
     from pdserve.scheduler.req import samples_from_message
 
     msgs = engine.builder.build([[10, 11, 12], [13, 14]],

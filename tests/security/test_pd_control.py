@@ -3,9 +3,13 @@
 
 1. a bootstrap_room already in use on a decode server is a 400, the server stays up;
 2. forged control messages (a handoff record with a chosen first token, an abort) are
-   dropped unread and counted; the request is answered from the real transfer only;
-   the registry refuses registrations from anyone but the server's own ranks and the
-   rank listing to anyone without the secret;
+   dropped unread and counted, and so are messages signed with the real secret but
+   addressed to another server, or with a NaN / infinite timestamp; the request is
+   answered from the real transfer only; the registry refuses registrations from
+   anyone but the server's own ranks and the rank listing to anyone without the
+   secret (or with a listing request signed for another bootstrap server);
+3. forged frames over the control link's frame limit are dropped by libzmq unseen;
+   forged frames just under it are refused on their MAC, unparsed, in milliseconds;
 4. a bootstrap_host that is not a plain host (a path, a fragment) or not allowed is a
    400 naming it, and nothing is fetched;
 and after each attack the servers are healthy and a normal request is answered."""
@@ -24,6 +28,8 @@ import pytest
 import zmq
 
 from pdserve.disagg import protocol as P
+from pdserve.disagg.bootstrap import REGISTRY_RECIPIENT
+from pdserve.disagg.layout import PROTOCOL_VERSION
 from pdserve.testing import build_random_model
 from tests.disagg.test_pd_servers import pd_pair
 from tests.server.conftest import free_port
@@ -120,12 +126,21 @@ def test_forged_control_messages_are_dropped_and_counted(pair):
             forged = [P.HandoffRecord(room, prefill_addr, first_token=3),       # unsigned
                       P.Abort(room, "forged abort")]
             wrong_key = P.Authenticator(b"not-the-deployment-secret", prefill_addr)
+            real_key = P.Authenticator(SECRET.encode(), prefill_addr)
             for msg in forged:
                 sock.send(P.encode(msg))
-                sock.send(P.encode(msg, wrong_key))
+                sock.send(P.encode(msg, wrong_key, to=addr))
+                # Signed with the deployment's secret, but for another server (captured
+                # on its way to the prefill server, or to another decode server).
+                sock.send(P.encode(msg, real_key, to=prefill_addr))
+                sock.send(P.encode(msg, real_key, to="tcp://10.9.9.9:5555"))
+                # Signed for this server, with a timestamp that is not a finite number.
+                for ts in (b"NaN", b"Infinity", b"1e999"):
+                    sock.send(real_key.frame(P.encode(msg)[:-1] + b',"from":"%s","to":"%s","ts":%s,"nonce":"%s"}'
+                                             % (prefill_addr.encode(), addr.encode(), ts, ts)))
             sock.close(linger=1000)
             ctx.term()
-            await asyncio.to_thread(wait_until, lambda: state(d)["disaggregation"]["refused_messages"] >= refused + 4,
+            await asyncio.to_thread(wait_until, lambda: state(d)["disaggregation"]["refused_messages"] >= refused + 14,
                                     10)
             assert not decode_leg.done()  # neither the record nor the abort was obeyed
             rp = await c.post(p.url + "/generate", json=body)
@@ -145,17 +160,68 @@ def test_the_registry_is_written_and_read_only_by_the_deployment(pair):
         urllib.request.urlopen(url, timeout=10)
     assert err.value.code == 401
     listing = P.Authenticator(SECRET.encode(), "anyone-with-the-secret")
-    req = urllib.request.Request(url, headers={"X-Pdserve-Auth": P.encode(P.Heartbeat("x"), listing).decode()})
+    # A listing request names the bootstrap server it is for: one for another is refused.
+    for other in ("pdserve-bootstrap-0123456789abcdef", "bootstrap", "tcp://127.0.0.1:1"):
+        req = urllib.request.Request(url, headers={"X-Pdserve-Auth": P.encode(P.Heartbeat("x"), listing,
+                                                                              to=other).decode()})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 401
+    with urllib.request.urlopen(f"http://127.0.0.1:{boot}/health", timeout=10) as r:
+        ident = json.loads(r.read())["id"]
+    req = urllib.request.Request(url, headers={"X-Pdserve-Auth": P.encode(P.Heartbeat("x"), listing,
+                                                                          to=ident).decode()})
     with urllib.request.urlopen(req, timeout=10) as r:
         (rank,) = [P.from_body(P.RankInfo, b) for b in json.loads(r.read())["ranks"]]
     # Even a holder of the deployment secret cannot overwrite the server's own ranks.
     evil = P.RankInfo(0, 1, "10.6.6.6", 1, "10.6.6.6:1", rank.compat, rank.layout)
-    for data in (P.encode(evil), P.encode(evil, listing)):
+    for data in (P.encode(evil), P.encode(evil, listing, to=REGISTRY_RECIPIENT), P.encode(evil, listing, to=ident)):
         put = urllib.request.Request(url, data=data, method="PUT")
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(put, timeout=10)
         assert err.value.code == 403
     normal_request_works(p, d, boot)
+
+
+def test_forged_frames_over_or_near_the_frame_limit_cost_no_parse(pair):
+    """At both servers' control sockets: forged frames of 48 MiB (over the 16 MiB frame
+    limit: libzmq drops them and their connection, nothing is counted) and of 15 MiB
+    (under it: refused on their MAC over the raw bytes, never parsed). The 15 MiB
+    ones are refused as fast as they arrive; a normal request is answered meanwhile
+    and after."""
+    p, d, boot = pair
+    expected = normal_request_works(p, d, boot)
+    forger = P.Authenticator(b"not-the-deployment-secret", "tcp://10.6.6.6:1")
+    for server in (d, p):
+        info = state(server)["disaggregation"]
+        addr, refused = info["control_addr"], info["refused_messages"]
+
+        def frame(positions: int) -> bytes:  # a TransferRequest of 10-digit slots, ~11 bytes each
+            body = b'{"room":1,"decode_id":"d","first_position":0,"dst_slots":[%s1000000000]}' % (
+                b"1000000000," * (positions - 1))
+            return forger.frame(b'{"v":%d,"type":"TransferRequest","body":%s,"from":"x","to":"%s","ts":%f,'
+                                b'"nonce":"%d"}' % (PROTOCOL_VERSION, body, addr.encode(), time.time(), positions))
+        over, under = frame((48 << 20) // 11), frame((15 << 20) // 11)
+        assert len(over) > P.MAX_FRAME_BYTES > len(under) > 14 << 20
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.connect(addr)
+        t0 = time.monotonic()
+        for _ in range(2):
+            sock.send(over)
+        sock.close(linger=10000)
+        sock = ctx.socket(zmq.PUSH)  # a fresh connection: libzmq dropped the one above
+        sock.connect(addr)
+        for _ in range(8):
+            sock.send(under)
+        sock.close(linger=10000)
+        ctx.term()
+        wait_until(lambda: state(server)["disaggregation"]["refused_messages"] >= refused + 8, 30)
+        elapsed = time.monotonic() - t0
+        assert state(server)["disaggregation"]["refused_messages"] == refused + 8   # the 48 MiB ones: unseen
+        print(f"{server.url}: 2 x {len(over) >> 20} MiB dropped, 8 x {len(under) >> 20} MiB refused "
+              f"in {elapsed:.2f} s in all")
+        assert normal_request_works(p, d, boot) == expected
 
 
 @pytest.mark.parametrize("host,port,field", [

@@ -7,6 +7,14 @@ process in front of fake workers (which record what reaches them).
   rid in flight cannot be taken over by another request.
 - Finding 10: keys are compared in constant time, the router sends them on to the
   workers, and `pdserve up` starts its servers with the router's keys.
+
+Issue 39 (at the end of the file):
+- Finding 10: one canonical form per worker URL (7+ spellings of one server are one
+  worker; credentials, URLs over 2048 characters refused), the router's own address refused
+  (by spelling, and through a port forward by its own id on /health), a failed add leaves
+  nothing registered. Who may reach /workers at all: test_admin_routes.py.
+- Finding 11: a worker dribbling its /health holds up no other worker's probes nor keeps a
+  recovered worker out; a huge /health body is cut off, the router's memory stays put.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import threading
 import time
 import types
 from typing import Any, Iterator
+from urllib.parse import quote
 
 import httpx
 import psutil
@@ -363,6 +372,18 @@ def test_up_starts_every_server_and_the_router_with_the_keys():
     assert "--page-size" not in " ".join(dep._router_cmd([], []))
     plain = Deployment(parse_args([]), threading.Event())
     assert "--api-key" not in " ".join(plain._server_cmd(1, "prefill", []) + plain._router_cmd([], []))
+    # Issue 39: without an admin key, the servers' admin routes answer loopback clients only;
+    # a --host from which the router reaches them beyond loopback gets a generated key, the
+    # same for every process.
+    for host in ("127.0.0.1", "0.0.0.0", "localhost", "::1"):
+        args = parse_args(["--host", host])
+        assert args.admin_api_key is None and not args.admin_api_key_generated, host
+    args = parse_args(["--host", "192.0.2.2"])
+    assert args.admin_api_key_generated and len(args.admin_api_key or "") == 32
+    dep = Deployment(args, threading.Event())
+    for cmd in (dep._server_cmd(1, "prefill", []), dep._server_cmd(2, "decode", []), dep._router_cmd([], [])):
+        assert f"--admin-api-key {args.admin_api_key}" in " ".join(cmd), cmd
+    assert parse_args(["--host", "192.0.2.2", "--admin-api-key", ADMIN]).admin_api_key == ADMIN
 
 
 @pytest.mark.parametrize("argv, flag", [(["--max-n", "0"], "--max-n"), (["--max-request-bytes", "100"],
@@ -390,3 +411,298 @@ def test_slow_or_idle_clients_are_closed_by_the_router(sent):
         if sent:
             assert raw.startswith(b"HTTP/1.1 408"), raw[:200]
         dep.assert_healthy_and_serving()
+
+
+# ==== issue 39 ==============================================================================
+# Finding 10: worker management. Who may reach /workers at all is finding 9
+# (test_admin_routes.py); here, what an admin's mistake or a spoofed spelling can do.
+def test_worker_urls_have_one_canonical_form():
+    from pdserve.router.urls import MAX_URL_CHARS, UrlError, canonical_url
+    same = ["http://127.0.0.1:8000", "http://localhost:8000", "http://LOCALHOST.:8000/", "http://0.0.0.0:8000",
+            "http://127.1:8000", "http://2130706433:8000", "http://0x7f000001:8000", "http://0x7f.1:8000",
+            "http://0177.0.0.1:8000", "http://[::ffff:127.0.0.1]:8000", "HTTP://127.0.0.1:8000"]
+    assert {canonical_url(u) for u in same} == {"http://127.0.0.1:8000"}
+    assert canonical_url("http://[0:0::1]:8000") == canonical_url("http://[::]:8000") == "http://[::1]:8000"
+    assert canonical_url("http://Prefill-0.pdserve.svc:30001") == "http://prefill-0.pdserve.svc:30001"
+    assert canonical_url("https://h") == "https://h:443" and canonical_url("http://h") == "http://h:80"
+    for bad, why in [("http://user:s3cret@127.0.0.1:8000", "credentials"), ("http://u@h:1", "credentials"),
+                     ("http://" + "a" * 100_000 + ":1", str(MAX_URL_CHARS)), ("http://999.0.0.1:1", "IPv4"),
+                     ("http://1.2.3.4.5:1", "IPv4"), ("http://08:1", "IPv4"), ("http://a..b:1", "host name"),
+                     ("http://h:0", "port"), ("http://h:70000", "port"), ("http://h:1/v1", "base URL"),
+                     ("http://h:1?x=1", "base URL"), ("http://h :1", "whitespace"), ("http://hé:1", "non-ASCII"),
+                     ("ftp://h:1", "host:port URL"), ("h:1", "host:port URL"), ("http://[fe80::1%25eth0]:1", "zone")]:
+        with pytest.raises(UrlError, match=why) as info:
+            canonical_url(bad)
+        assert "s3cret" not in str(info.value) and len(str(info.value)) < 300, info.value  # never echoed whole
+
+
+def workers_of(dep: Deployed) -> dict[str, dict]:
+    r = dep.client.get("/workers")
+    assert r.status_code == 200, r.text
+    return {w["url"]: w for w in r.json()["workers"]}
+
+
+def test_one_server_is_one_worker_however_its_url_is_spelled(open_router):
+    """Measured: the same server was accepted under 7 spellings, and the credentials of a
+    user:pass@ spelling showed on /metrics."""
+    dep = open_router
+    before = workers_of(dep)
+    decode_url = next(u for u, w in before.items() if w["role"] == "decode")
+    port = decode_url.rsplit(":", 1)[1]
+    for url in (f"http://0.0.0.0:{port}", f"http://localhost:{port}", f"http://127.1:{port}",
+                f"http://2130706433:{port}", f"http://0x7f000001:{port}", f"http://0177.0.0.1:{port}",
+                f"http://[::ffff:127.0.0.1]:{port}", f"HTTP://LocalHost.:{port}/"):
+        for role in ("decode", "prefill"):
+            err = assert_openai_error(dep.client.post("/workers", json={"url": url, "role": role}), 409, ("url",))
+            assert decode_url in err["message"] and "already registered" in err["message"], err
+        assert dep.client.get("/workers/" + quote(url, safe="")).json()["url"] == decode_url
+    for url in (f"http://user:s3cret@127.0.0.1:{port}", f"http://user:s3cret@localhost:{port + '1'}",
+                f"http://s3cret@10.0.0.5:{port}"):
+        err = assert_openai_error(dep.client.post("/workers", json={"url": url, "role": "decode"}), 400, ("url",))
+        assert "credentials" in err["message"] and "s3cret" not in err["message"], err
+    assert workers_of(dep).keys() == before.keys()
+    assert "s3cret" not in dep.client.get("/metrics").text
+    dep.assert_healthy_and_serving()
+
+
+class PortForward:
+    """127.0.0.1:PORT -> 127.0.0.1:target, one thread per direction per connection: the
+    router behind an address its own spelling does not give away."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                return
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_the_router_is_never_its_own_worker(open_router):
+    dep = open_router
+    before = workers_of(dep)
+    port = dep.router.port
+    for url in (f"http://127.0.0.1:{port}", f"http://localhost:{port}", f"http://0.0.0.0:{port}",
+                f"http://127.1:{port}", f"http://2130706433:{port}"):
+        err = assert_openai_error(dep.client.post("/workers", json={"url": url, "role": "decode"}), 400, ("url",))
+        assert "this router's own address" in err["message"], err
+    # An address that does not look like the router's (a port forward, another interface,
+    # a DNS name) is recognised by the router's own id on the /health it answers.
+    forward = PortForward(port)
+    try:
+        for role in ("decode", "prefill"):
+            r = dep.client.post("/workers", json={"url": forward.url, "role": role})
+            err = assert_openai_error(r, 400, ("url",))
+            assert "this router itself" in err["message"], err
+    finally:
+        forward.close()
+    assert workers_of(dep).keys() == before.keys()  # nothing left registered
+    # On the command line too.
+    from pdserve.router.config import ConfigError, from_cli
+    for argv in (["--worker-urls", "http://localhost:30000"], ["--worker-urls", "http://127.0.0.1:8000", "--port",
+                                                                "8000"],
+                 ["--worker-urls", "http://127.1:8000", "--host", "0.0.0.0", "--port", "8000"]):
+        with pytest.raises(ConfigError, match="own address"):
+            from_cli(argv)
+    assert from_cli(["--worker-urls", "http://10.0.0.5:30000"]).workers[0].url == "http://10.0.0.5:30000"
+    dep.assert_healthy_and_serving()
+
+
+def test_a_huge_url_is_a_400_and_nothing_stays_registered():
+    """Measured: a 100 KB URL answered 500, stayed registered, and the health loop logged a
+    traceback every second."""
+    extra = FakeWorker("decode")
+    extra.faults.healthy = False
+    with ThreadedServer(extra.app()) as late, deployed("--health-check-interval", "0.2") as dep:
+        before = workers_of(dep)
+        for url in ("http://" + "a" * 100_000 + ":1", "http://127.0.0.1:1/" + "x" * 3000,
+                    "http://" + "a" * 300 + ":1"):
+            err = assert_openai_error(dep.client.post("/workers", json={"url": url, "role": "decode"}), 400,
+                                      ("url",))
+            assert len(err["message"]) < 400, err  # the URL is not echoed whole
+        assert "2048" in assert_openai_error(dep.client.post("/workers", json={
+            "url": "http://" + "a" * 100_000 + ":1", "role": "decode"}), 400)["message"]
+        for method in ("GET", "DELETE"):
+            r = dep.client.request(method, "/workers/" + quote("http://" + "a" * 10_000 + ":1", safe=""))
+            assert_openai_error(r, 400, ("url",))
+        assert workers_of(dep).keys() == before.keys()
+        # The health loop goes on: a worker added now enters rotation once healthy.
+        assert dep.client.post("/workers", json={"url": late.url, "role": "decode"}).status_code == 201
+        extra.faults.healthy = True
+        wait_until(lambda: workers_of(dep)[late.url]["in_rotation"])
+        out = dep.router.output()
+        assert "Traceback" not in out and "router error" not in out, out
+
+
+def test_a_failed_add_leaves_nothing_registered(monkeypatch):
+    """Whatever fails while a worker is being added (here its first probe, made to raise),
+    the worker is not left behind: the same add succeeds afterwards."""
+    w = FakeWorker("decode")
+    with ThreadedServer(w.app()) as s, fake_deployment(1, 1) as dep:
+        registry = dep.app.state.router.registry
+
+        async def broken(worker: Any) -> bool:
+            raise RuntimeError("a bug in the probe")
+        monkeypatch.setattr(registry, "probe", broken)
+        err = assert_openai_error(dep.client.post("/workers", json={"url": s.url, "role": "decode"}), 500)
+        assert "router error" in err["message"]
+        monkeypatch.undo()
+        assert s.url not in {x["url"] for x in dep.client.get("/workers").json()["workers"]}
+        assert dep.client.post("/workers", json={"url": s.url, "role": "decode"}).status_code == 201
+
+
+# Finding 11: the health loop. Raw TCP "workers" that answer /health badly.
+class RawWorker:
+    """A TCP server that reads each connection's request head and hands the socket to
+    `answer(sock, stop)`; counts connections and the bytes `answer` managed to send."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stop = threading.Event()
+        self.connections = 0
+        self.sent: list[int] = []  # per finished connection
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            self.sent.append(self.answer(conn, self.stop))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+def dribble(conn: socket.socket, stop: threading.Event) -> int:
+    """A 200 whose body comes one byte every 0.5 s: each read is well within any per-read timeout."""
+    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")  # 1000 bytes: 8 minutes
+    sent = 0
+    try:
+        while not stop.wait(0.5):
+            conn.sendall(b"x")
+            sent += 1
+    except OSError:
+        pass
+    return sent
+
+
+def endless(announce: bool) -> Any:
+    """A 200 whose body is 300 MB, sent as fast as the router reads it (announced with
+    Content-Length, or chunked with no length)."""
+    def answer(conn: socket.socket, stop: threading.Event) -> int:
+        total, block = 300 << 20, b"x" * (1 << 20)
+        head = f"content-length: {total}" if announce else "transfer-encoding: chunked"
+        conn.sendall(f"HTTP/1.1 200 OK\r\n{head}\r\n\r\n".encode())
+        sent = 0
+        try:
+            while sent < total and not stop.is_set():
+                conn.sendall(block if announce else b"%x\r\n%s\r\n" % (len(block), block))
+                sent += len(block)
+        except OSError:
+            pass
+        return sent
+    return answer
+
+
+def test_a_dribbling_worker_holds_up_no_other_workers_probes():
+    """Measured: a worker dribbling /health stopped every probe, and a real worker taken out
+    after one connection error never came back (29 of 29 requests got 503 over 30 s)."""
+    slow = RawWorker(dribble)
+    prefill, decode = FakeWorker("prefill"), FakeWorker("decode")
+    try:
+        with ThreadedServer(prefill.app()) as p:
+            d = ThreadedServer(decode.app()).start()
+            router = RouterProcess("--pd-disaggregation", "--prefill", p.url, "--decode", d.url, "--decode",
+                                   slow.url, "--health-check-interval", "0.3", "--health-check-timeout", "1")
+            dep = Deployed(router, prefill, decode)
+            try:
+                slow_state = wait_until(lambda: (lambda w: w if "within 1 s" in (w["last_error"] or "") else None)(
+                    workers_of(dep)[slow.url]))
+                assert slow_state["state"] == "unhealthy" and "--health-check-timeout" in slow_state["last_error"]
+                # The real decode's probes go on: its failures and recovery are seen at once.
+                decode.faults.healthy = False
+                wait_until(lambda: workers_of(dep)[d.url]["state"] == "unhealthy", 5)
+                decode.faults.healthy = True
+                wait_until(lambda: workers_of(dep)[d.url]["state"] == "healthy", 5)
+                # Taken out by a connection error, then back once it answers again.
+                port = d.port
+                d.stop()
+                # The leg fails to connect (502 once the retry finds no other decode in rotation).
+                assert dep.client.post("/v1/chat/completions", json=CHAT).status_code in (502, 503)
+                wait_until(lambda: workers_of(dep)[d.url]["state"] == "unhealthy", 5)
+                d = ThreadedServer(decode.app(), port=port).start()
+                wait_until(lambda: workers_of(dep)[d.url]["in_rotation"], 5)
+                for _ in range(3):
+                    r = dep.client.post("/v1/chat/completions", json=CHAT)
+                    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ab", r.text
+                # The slow worker is probed all along, each probe cut off at its deadline.
+                seen = slow.connections
+                wait_until(lambda: slow.connections >= seen + 2, 10)
+                assert workers_of(dep)[slow.url]["in_rotation"] is False
+                out = router.output()
+                assert "Traceback" not in out and out.count(slow.url) <= 2, out  # no log line per probe
+            finally:
+                router.close()
+                d.stop()
+    finally:
+        slow.close()
+
+
+@pytest.mark.parametrize("announce", [True, False], ids=["content-length", "chunked"])
+def test_a_huge_health_body_is_cut_off_and_the_worker_counted_unhealthy(announce):
+    """Measured: a 300 MB /health body took the router from 79 MB to 1.7 GB."""
+    huge = RawWorker(endless(announce))
+    try:
+        with deployed("--health-check-interval", "0.3") as dep:
+            rss = psutil.Process(dep.router.proc.pid).memory_info().rss
+            r = dep.client.post("/workers", json={"url": huge.url, "role": "decode"})
+            assert r.status_code == 201 and r.json()["state"] == "unhealthy", r.text
+            assert "too large" in r.json()["last_error"], r.json()
+            wait_until(lambda: len(huge.sent) >= 5, 30)  # five probes, each cut off
+            me = workers_of(dep)[huge.url]
+            assert me["state"] == "unhealthy" and "65536" in me["last_error"], me
+            assert dep.router.metric("pdserve_router:health_check_failures_total", worker=huge.url) >= 5
+            # Each probe stopped reading early (what was sent sat in socket buffers), and the
+            # router's memory stayed where it was (generous: 1.6 GB more before the fix).
+            assert max(huge.sent) < 64 << 20, huge.sent
+            assert psutil.Process(dep.router.proc.pid).memory_info().rss - rss < 100 << 20
+            dep.assert_healthy_and_serving()
+    finally:
+        huge.close()

@@ -227,7 +227,7 @@ def test_flags_are_validated():
 
 
 def test_queue_limit_counts_samples_beyond_the_running_slots():
-    from pdserve.server.drain import QueueLimit, Refused
+    from pdserve.server.drain import QueueLimit, Refused, TooManySamples
 
     limit = QueueLimit(max_queued=2, max_running=4)
     limit.check(in_flight=5, new=1)      # 2 would wait: at the limit, accepted
@@ -236,7 +236,10 @@ def test_queue_limit_counts_samples_beyond_the_running_slots():
     assert exc.value.retry_after >= 1 and "--max-queued-requests 2" in exc.value.message
     with pytest.raises(Refused):
         limit.check(in_flight=3, new=4)  # n=4 samples: 3 would wait
-    limit.check(in_flight=0, new=50)     # an idle server takes any one request
+    limit.check(in_flight=0, new=6)      # an idle server takes any request that can fit
+    with pytest.raises(TooManySamples, match=r"^n: .*50 samples.*4 running \(--max-running-requests\) "
+                       r"\+ 2 queued \(--max-queued-requests\) = 6"):
+        limit.check(in_flight=0, new=50)  # never: a 400, not a 503 to retry
     QueueLimit(max_queued=None, max_running=1).check(in_flight=10_000, new=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         limit.max_queued = 3  # type: ignore[misc]

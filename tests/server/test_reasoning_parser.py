@@ -25,8 +25,10 @@ CASES = [
      "\nLet me add: 2 + 3 = 5.\n", "The answer is 5."),
     (QWEN3, "No thinking here, <thin or </think either.", "", "No thinking here, <thin or </think either."),
     (QWEN3, "  \n<think>a < b</think>x", "a < b", "x"),
+    # Only a leading <think> opens the reasoning (issue 39, as vLLM): after content it is text.
     (QWEN3, "Intro <think>why</think> rest <think>not again</think>",
-     "why", "Intro rest <think>not again</think>"),
+     "", "Intro <think>why</think> rest <think>not again</think>"),
+    (QWEN3, " \n<think>a</think>b <think>c</think>", "a", "b <think>c</think>"),
     (QWEN3, "<think>never closed, cut at max_tokens </thi", "never closed, cut at max_tokens </thi", ""),
     (QWEN3, "ends on a partial tag <thi", "", "ends on a partial tag <thi"),
     (QWEN3, "", "", ""),
@@ -156,3 +158,34 @@ def test_a_held_back_partial_tag_is_flushed_at_the_finish():
 def test_without_a_parser_the_stream_is_unchanged():
     choices = run_chunks(["<think>a", "</think>b"], lambda: None)
     assert [c["delta"] for c in choices] == [{"role": "assistant", "content": "<think>a"}, {"content": "</think>b"}]
+
+
+# ---- issue 39: a literal <think> after content started ----------------------------------------
+def test_a_think_tag_inside_a_tool_call_stays_in_the_call():
+    """With qwen3, a `<think>` after the content started (here inside a tool call's
+    arguments) moved the rest of the answer into reasoning_content and lost the call. Only
+    a leading tag opens the reasoning now (as vLLM's parser splits); whole and streamed a
+    character at a time alike."""
+    import json
+
+    from pdserve.server.tool_calls import HermesParser, merge_deltas
+
+    args = {"text": "write <think> then </think> literally"}
+    text = "Calling it. <tool_call>\n" + json.dumps({"name": "echo", "arguments": args}) + "\n</tool_call>"
+    new_tools = lambda: HermesParser(frozenset({"echo"}))  # noqa: E731
+    msg = chat_message(text, ReasoningParser(QWEN3), new_tools())
+    assert msg["reasoning_content"] is None and msg["content"] == "Calling it."
+    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [args]
+
+    state, updates = fake_updates(list(text))
+    chunks = ChatChunks(None, lambda: ReasoningParser(QWEN3), new_tools)
+    deltas = [c["delta"] for u in updates for c in chunks(state, u)]
+    assert not any(d.get("reasoning_content") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "Calling it."
+    calls = merge_deltas([t for d in deltas for t in d.get("tool_calls", ())])
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [args]
+
+
+def test_after_a_leading_think_block_a_later_tag_is_content():
+    text = "<think>plan</think>\nDone: <think>x</think> stays."
+    assert ReasoningParser(QWEN3).parse(text) == ("plan", "Done: <think>x</think> stays.")
