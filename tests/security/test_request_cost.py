@@ -31,6 +31,7 @@ from pdserve.config import ServerArgs
 from pdserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.tokenizer import load_tokenizer
 from tests.conftest import GREEDY
+from tests.security.served import Target
 from tests.server.conftest import ServerProcess, assert_openai_error
 
 VOCAB = 157        # the demo model's vocabulary
@@ -41,37 +42,11 @@ PLP_LIMIT = ServerArgs.max_prompt_logprob_entries  # the default --max-prompt-lo
 LOAD_TOKENS, STREAM_TOKENS = 240, 60  # the concurrency replay's load (x 16 samples) and stream
 
 
-class Target:
-    def __init__(self, server: ServerProcess) -> None:
-        self.server = server
-        self.url = server.url
-        self.reference = self.normal()
-
-    def normal(self) -> str:
-        r = httpx.post(self.url + "/generate", json=NORMAL, timeout=60)
-        assert r.status_code == 200, r.text
-        return r.json()["text"]
-
-    def post(self, path: str, body: Any, timeout: float = 120) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=timeout)
-
-    def post_raw(self, path: str, text: str, timeout: float = 120) -> httpx.Response:
-        """A body written by hand (one the client's own JSON encoder could not build)."""
-        return httpx.post(self.url + path, content=text.encode(), timeout=timeout,
-                          headers={"content-type": "application/json"})
-
-    def assert_serving(self) -> None:
-        assert self.server.proc.poll() is None, self.server.output()[-4000:]
-        assert httpx.get(self.url + "/health", timeout=10).status_code == 200
-        assert self.normal() == self.reference
-        assert "Exception in ASGI application" not in self.server.output()
-
-
 @pytest.fixture(scope="module")
 def demo() -> Iterator[Target]:
     s = ServerProcess(assets.path("demo"))
     try:
-        yield Target(s)
+        yield Target(s, NORMAL)
     finally:
         s.close()
 

@@ -28,6 +28,7 @@ import pytest
 import pdserve.assets
 from tests.router.conftest import RouterProcess
 from tests.security.test_http_front import http_process_rss_mb
+from tests.security.served import Target
 from tests.server.conftest import ServerProcess, assert_openai_error, parse_sse_lines
 from tests.server.test_stream_updates import closed_within, still_open
 from tests.waiting import wait_until
@@ -45,33 +46,12 @@ HEAVY = {"text": PROMPT, "return_logprob": True, "logprob_start_len": 0, "top_lo
 NORMAL = {"text": "abc", "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}}
 
 
-class Target:
-    def __init__(self, server: ServerProcess) -> None:
-        self.server = server
-        self.url = server.url
-        self.reference = self.normal()
-
-    def normal(self) -> str:
-        r = httpx.post(self.url + "/generate", json=NORMAL, timeout=60)
-        assert r.status_code == 200, r.text
-        return r.json()["text"]
-
-    def assert_serving(self) -> None:
-        assert self.server.proc.poll() is None, self.server.output()[-4000:]
-        assert self.normal() == self.reference
-        self.server.assert_pools_full(timeout=60)
-        assert "Exception in ASGI application" not in self.server.output()
-
-    def outcomes(self) -> dict[str, float]:
-        return {k: self.server.finished(k) for k in ("abort", "length", "stop")}
-
-
 @pytest.fixture(scope="module")
 def target() -> Iterator[Target]:
     s = ServerProcess(pdserve.assets.path("demo"), "--max-running-requests", str(MAX_RUNNING),
                       "--max-queued-requests", "0", "--send-timeout", str(SEND_TIMEOUT))
     try:
-        yield Target(s)
+        yield Target(s, NORMAL, check_pools=True)
     finally:
         s.close()
 
@@ -180,8 +160,11 @@ def test_unread_streams_are_dropped_and_their_requests_aborted(target):
 def test_a_stream_being_delivered_counts_toward_the_queue_limit(target):
     s = target.server
     before = target.outcomes()
-    # Short generations with large events: done long before their clients take them.
-    body = dict(HEAVY, sampling_params={"max_new_tokens": 24, "ignore_eos": True, "n": 2})
+    # Short generations with large events (~0.5 MB each: more than the connection's
+    # buffers can absorb, so what is left to deliver stays in this process): done long
+    # before their clients take them.
+    body = dict(HEAVY, text=PROMPT * 2, top_logprobs_num=20,
+                sampling_params={"max_new_tokens": 24, "ignore_eos": True, "n": 2})
     clients = [unread_stream(s.port, "/generate", body) for _ in range(2)]
     readers = [Trickle(c) for c in clients]  # slow clients, which the send deadline spares
     try:
