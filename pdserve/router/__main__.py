@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.stderr.write(f"python -m pdserve.router: error: {exc}\n")
         raise SystemExit(2) from None
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            access_log=False, http=protocol_class(cfg.request_read_timeout),
+                            access_log=False, http=protocol_class(cfg.request_read_timeout, cfg.send_timeout),
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                             timeout_keep_alive=min(5.0, cfg.request_read_timeout))
     quiet_uvicorn(cfg.log_level)  # after Config, which sets uvicorn's loggers up

@@ -79,6 +79,10 @@ class RouterConfig:
     max_request_samples: int = 65536
     # A client must deliver a request's headers and body within this many seconds.
     request_read_timeout: float = 10.0
+    # A client whose connection has taken nothing for this many seconds while the router's
+    # buffers for it are full is dropped (its request's worker legs aborted), as nginx's
+    # send_timeout: a stream nobody reads does not hold the router's memory forever.
+    send_timeout: float = 60.0
     # cache_aware (prefill, decode or plain; one prefix tree per role's policy): route to the
     # worker whose cached prefix covers more than this share of the request, unless it has
     # more than balance_abs_threshold requests in flight above the least loaded worker.
@@ -142,10 +146,12 @@ class RouterConfig:
                 raise ConfigError(f"--{name.replace('_', '-')}: {getattr(self, name)!r} is not one of "
                                   f"{', '.join(POLICIES)}")
         positive = ("health_check_interval", "health_check_timeout", "request_timeout", "connect_timeout",
-                    "request_read_timeout")
+                    "request_read_timeout", "send_timeout")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(self, name)}")
+        if self.send_timeout == float("inf"):
+            raise ConfigError("--send-timeout: must be finite")
         if self.retries < 0:
             raise ConfigError(f"--retries: must be >= 0, got {self.retries}")
         if not 0 < self.port <= 65535:
@@ -260,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="upper bound on prompts x n in one request (one bootstrap room each)")
     ap.add_argument("--request-read-timeout", type=float, default=10.0, metavar="S",
                     help="a client must send a request's headers and body within this (else 408, closed)")
+    ap.add_argument("--send-timeout", type=float, default=60.0, metavar="S",
+                    help="drop a client that takes nothing for this long while its response waits (as the servers)")
     ap.add_argument("--cache-threshold", type=float, default=0.5)
     ap.add_argument("--balance-abs-threshold", type=int, default=32)
     ap.add_argument("--max-tree-size", type=int, default=1 << 22)
@@ -300,7 +308,7 @@ def from_cli(argv: Sequence[str] | None = None) -> RouterConfig:
         retries=ns.retries, request_timeout=ns.request_timeout, connect_timeout=ns.connect_timeout,
         api_key=ns.api_key, admin_api_key=ns.admin_api_key, max_n=ns.max_n,
         max_request_bytes=ns.max_request_bytes, max_request_samples=ns.max_request_samples,
-        request_read_timeout=ns.request_read_timeout,
+        request_read_timeout=ns.request_read_timeout, send_timeout=ns.send_timeout,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
         max_tree_size=ns.max_tree_size, log_level=ns.log_level,
         service_discovery=ns.service_discovery,

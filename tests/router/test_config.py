@@ -89,7 +89,7 @@ def test_cli_refuses_an_unknown_decode_policy():
     (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--port", "abc"], "--port"),
     (["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--bogus"], "--bogus"),
     ([], "--worker-urls"),
-])
+] + [(["--worker-urls", "http://h:1", "--send-timeout", bad], "--send-timeout") for bad in ("0", "-1", "nan", "inf")])
 def test_bad_flags_name_the_flag(argv, flag):
     with pytest.raises(ConfigError) as exc:
         from_cli(argv)
@@ -101,3 +101,8 @@ def test_cli_exits_with_the_message():
                         "--decode", "http://h:2", "--retries", "-3"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "--retries" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_send_timeout_reaches_the_config():
+    assert from_cli(["--worker-urls", "http://h:1"]).send_timeout == 60.0
+    assert from_cli(["--worker-urls", "http://h:1", "--send-timeout", "2.5"]).send_timeout == 2.5
