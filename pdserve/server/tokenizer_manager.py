@@ -306,8 +306,11 @@ class TokenizerManager:
         return Job(states, queue)
 
     def in_flight_requests(self) -> int:
-        """Prompts submitted and not finished (what a drain waits for)."""
-        return len(self.requests)
+        """Prompts submitted and not yet delivered (what a drain waits for): a stream whose
+        client has not taken its end yet is still in flight after the scheduler finished it,
+        so a drain does not cut it off."""
+        return len(self.requests) + sum(1 for job in self.delivering.values() for st in job.states
+                                        if self.requests.get(st.rid) is not st)
 
     def in_flight_samples(self) -> int:
         """Samples submitted and not yet delivered: each needs a scheduler slot while it

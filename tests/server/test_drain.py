@@ -37,7 +37,11 @@ EXIT_TIMEOUT_S = 120.0
 
 
 def long_stream_body() -> dict[str, Any]:
-    return {"text": "drain me", "stream": True, "sampling_params": dict(GREEDY, max_new_tokens=LONG_TOKENS)}
+    # Top logprobs make its events heavy (each repeats the whole result so far): what is
+    # left to deliver once its client pauses is more than the connection's buffers hold,
+    # so it stays in flight until the client reads on, however fast decoding is.
+    return {"text": "drain me", "stream": True, "return_logprob": True, "top_logprobs_num": 5,
+            "sampling_params": dict(GREEDY, max_new_tokens=LONG_TOKENS)}
 
 
 def data_events(lines: Any, n: int) -> list[str]:
