@@ -277,12 +277,10 @@ def log_tail(path: Path, lines: int = 6) -> str:
     return " | ".join(text[-lines:])
 
 
-def summary(line: dict[str, Any]) -> list[str]:
-    """The step's own report lines (its .txt files), for the console."""
+def summary(line: dict[str, Any]) -> str:
+    """The step's status line for the console (its report lines follow it)."""
     head = f"== {line['step']}: {line['status']} ({line['seconds']} s of {line['limit_s']} s)"
-    if line.get("error"):
-        head += f": {line['error'][:400]}"
-    return [head]
+    return head + (f": {line['error'][:400]}" if line.get("error") else "")
 
 
 def run_all(steps: Sequence[Step], out: Path, budget_s: float, smoke: bool, python: str) -> bool:
@@ -307,8 +305,7 @@ def run_all(steps: Sequence[Step], out: Path, budget_s: float, smoke: bool, pyth
                 line = run_step(step, limit, out, Path(tmp), smoke, python)
             with open(out / "gpu_proof.json", "a") as f:
                 f.write(json.dumps(line) + "\n")
-            for text in summary(line):
-                print(text, flush=True)
+            print(summary(line), flush=True)
             for report in Path(tmp, step.name).glob("*.txt"):
                 print(report.read_text().rstrip()[-6000:], flush=True)
             ok = ok and line["ok"]

@@ -261,6 +261,8 @@ class DecodeScheduler(Scheduler):
     def _unpark(self, out: StepOutput) -> bool:
         """Parked requests whose grammar is now ready (or failed, or past its deadline)
         join the batch (or end); True if any did."""
+        if not self.parked:  # (every step: nothing to build then)
+            return False
         self.parked = [r for r in self.parked if r.finish is None]
         self.settle_grammars(self.parked)  # (the same on every TP rank)
         done = [r for r in self.parked if r.grammar.ready]

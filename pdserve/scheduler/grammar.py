@@ -324,12 +324,6 @@ class GrammarBackend:
         self._closed = False
         self.counts = collections.Counter[str]()  # compiled, failed, cancelled, timed_out, worker_starts
 
-    def configure(self, limits: GrammarLimits) -> None:
-        """Take a scheduler's flags (before its first compile)."""
-        with self._lock:
-            self.limits = limits
-            self._cache.bound = limits.cache_bytes
-
     # ---- asking for grammars ----------------------------------------------------------
     def compile(self, kind: str, text: str) -> "Future[Any]":
         """The compiled grammar of ``(kind, text)``, to be waited for (never cancelled)."""

@@ -34,7 +34,7 @@ from pdserve.scheduler.batch import Sampler, ScheduledBatch, StepOutput
 from pdserve.scheduler.decoding import PlainDecoding
 from pdserve.scheduler.admission import Admission, AdmissionTuning, too_big
 from pdserve.scheduler.faults import FaultIsolation
-from pdserve.scheduler.grammar import COMPILING, GrammarBackend, GrammarLimits
+from pdserve.scheduler.grammar import COMPILING, GrammarBackend
 from pdserve.scheduler.kv_manager import KVManager, size_kv_pages
 from pdserve.scheduler.req import FinishKind, FinishReason, Req, stop_reason
 from pdserve.speculative.decoding import EagleDecoding
@@ -95,20 +95,8 @@ class Scheduler(FaultIsolation, Admission):
         self.prefill_tokens_computed = 0
         # Compiles the grammars of constrained requests; set by the builder, which
         # holds the tokenizer (None: constrained requests are refused).
-        self._grammars: GrammarBackend | None = None
-        self.grammar_limits = GrammarLimits.from_args(args)
-
-    @property
-    def grammars(self) -> GrammarBackend | None:
-        return self._grammars
-
-    @grammars.setter
-    def grammars(self, backend: GrammarBackend | None) -> None:
-        # The builder (worker.build_scheduler) makes the backend; its deadline and cache
-        # bound are this scheduler's flags.
-        if backend is not None:
-            backend.configure(self.grammar_limits)
-        self._grammars = backend
+        # Its deadline and cache bound are this server's --grammar-* flags.
+        self.grammars: GrammarBackend | None = None
 
     # ---- requests ---------------------------------------------------------------
     def add(self, req: Req) -> None:

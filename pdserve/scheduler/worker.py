@@ -27,7 +27,7 @@ from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.messages import Command
 from pdserve.scheduler.req import FinishKind, FinishReason, Req, samples_from_message
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
-from pdserve.scheduler.grammar import GrammarBackend
+from pdserve.scheduler.grammar import GrammarBackend, GrammarLimits
 from pdserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ def build_scheduler(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, tp: 
         sched = Scheduler(args, runner, decode_text, tp)
     else:
         sched = build_disagg_scheduler(args, runner, decode_text, tp)
-    sched.grammars = GrammarBackend(tokenizer, runner.config.vocab_size, runner.config.eos_token_ids)
+    sched.grammars = GrammarBackend(tokenizer, runner.config.vocab_size, runner.config.eos_token_ids,
+                                    GrammarLimits.from_args(args))
     return sched
 
 

@@ -195,26 +195,14 @@ class StopScan:
         base = self.length - len(self.tail)  # position of joined[0] in the whole text
         for i, (stop, pi) in enumerate(zip(self.stops, self.tables)):
             m = len(stop)
-            if len(text) >= m:
-                # A long piece: searched at C speed, and the state depends on its last m
-                # characters only.
-                if self.first_end[i] is None:
-                    at = joined.find(stop, max(0, len(self.tail) - m + 1))
-                    if at >= 0:
-                        self.first_end[i] = base + at + m
-                self.states[i] = _advance(stop, pi, 0, joined[-m:])
-                continue
-            state = self.states[i]
-            for j, c in enumerate(text):  # a short piece: one automaton step per character
-                if state == m:
-                    state = pi[m - 1]
-                while state and stop[state] != c:
-                    state = pi[state - 1]
-                if stop[state] == c:
-                    state += 1
-                    if state == m and self.first_end[i] is None:
-                        self.first_end[i] = self.length + j + 1
-            self.states[i] = state
+            if self.first_end[i] is None:  # an occurrence ending in the new piece, searched at C speed
+                at = joined.find(stop, max(0, len(self.tail) - m + 1))
+                if at >= 0:
+                    self.first_end[i] = base + at + m
+            # The state depends on the last m characters only: a long piece restarts from
+            # them, a short one steps on from the state so far.
+            self.states[i] = (_advance(stop, pi, 0, joined[-m:]) if len(text) >= m
+                              else _advance(stop, pi, self.states[i], text))
         self.length += len(text)
         self.tail = joined[-self.keep:]
 

@@ -55,10 +55,7 @@ def test_a_local_transfer_side_stages_directly_on_a_gpu_whatever_mooncake_is_ins
 
 
 def test_mooncake_reaches_gpu_memory_only_with_its_cuda_build():
-    try:
-        engine = MooncakeTransfer("127.0.0.1")
-    except TransferError as exc:  # no libibverbs1 on this machine
-        pytest.skip(str(exc))
+    engine = MooncakeTransfer("127.0.0.1")  # as tests/disagg/test_transfer.py: CI has libibverbs1
     try:
         assert engine.reaches_device_memory == mooncake_reaches_gpu_memory()
     finally:

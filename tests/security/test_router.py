@@ -97,13 +97,18 @@ def raw_http(port: int, head: str, body: bytes = b"", timeout: float = 30.0) -> 
     without its body, a chunked body); returns the response's head and as much as came."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(head.encode() + body)
-        out = b""
-        while b"\r\n\r\n" not in out:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            out += chunk
-        return out
+        return recv_head(s, 65536)
+
+
+def recv_head(sock: socket.socket, bufsize: int) -> bytes:
+    """Bytes received until an HTTP head's end (fewer if the peer closes first)."""
+    out = b""
+    while b"\r\n\r\n" not in out:
+        chunk = sock.recv(bufsize)
+        if not chunk:
+            break
+        out += chunk
+    return out
 
 
 # ---- finding 7: validation before any work -------------------------------------------------
@@ -597,12 +602,8 @@ class RawWorker:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(OSError):
-            head = b""
-            while b"\r\n\r\n" not in head:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                head += chunk
+            if b"\r\n\r\n" not in recv_head(conn, 4096):
+                return  # the client left before its request's head ended
             self.sent.append(self.answer(conn, self.stop))
 
     def close(self) -> None:
