@@ -32,6 +32,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 MODEL_SPECS: dict[str, dict[str, Any]] = {
     "llama_gqa": dict(arch="llama", num_heads=4, num_kv_heads=2),
+    # The same shape with room for thousands of tokens: a request that decodes for seconds.
+    "llama_long_context": dict(arch="llama", num_heads=4, num_kv_heads=2, max_position_embeddings=8192),
     "llama_tied": dict(arch="llama", num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
     "llama3_rope": dict(arch="llama", num_heads=4, num_kv_heads=1,
                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -210,14 +210,19 @@ class StepDeadline(BaseException):
 
 def run_child(name: str, target: str, out: Path, limit_s: float, smoke: bool) -> None:
     """Inside the step's process: arm the deadline, run the step."""
-    # Stacks first (a hang shows where), then an exception in the main thread so that
-    # `finally` blocks stop the servers a step started; the parent kills at the limit.
-    faulthandler.dump_traceback_later(max(1.0, limit_s - 8), exit=False)
+    # At the deadline the main thread dumps every stack (a hang shows where) and raises,
+    # so that `finally` blocks stop the servers a step started. A main thread stuck in C
+    # never runs that handler: the watchdog thread dumps the stacks at the limit instead,
+    # and the parent kills 5 s later. The two never fire together: a dump from the
+    # watchdog while the main thread runs can crash the interpreter (seen at a 1 s limit).
+    deadline_s = max(1, int(limit_s - 5))
 
     def on_alarm(signum: int, frame: Any) -> None:
+        faulthandler.dump_traceback(all_threads=True)
         raise StepDeadline(f"step {name} reached its {limit_s:.0f} s limit")
     signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(max(1, int(limit_s - 5)))
+    signal.alarm(deadline_s)
+    faulthandler.dump_traceback_later(max(float(limit_s), deadline_s + 2.0), exit=False)
     out.mkdir(parents=True, exist_ok=True)
     module, function = target.split(":")
     getattr(importlib.import_module(module), function)(out, smoke)

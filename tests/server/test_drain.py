@@ -169,18 +169,19 @@ def test_drain_deadline_aborts_what_is_left(start_server, llama_dir):
         s.close()
 
 
-def test_queue_limit_sheds_load(start_server, llama_dir):
-    s = start_server(llama_dir, "--max-running-requests", "1", "--max-queued-requests", "2",
-                     "--max-total-tokens", "8192")
+def test_queue_limit_sheds_load(start_server, model_dirs):
+    # The long request decodes for several seconds (8k positions), so the two behind it
+    # are surely still queued through the burst; it is aborted once the burst is checked.
+    s = start_server(model_dirs("llama_long_context"), "--max-running-requests", "1",
+                     "--max-queued-requests", "2", "--max-total-tokens", "8192")
     try:
-        # The first runs long, so the two behind it stay queued through the burst.
-        budgets = [LONG_TOKENS, 16, 16]
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        budgets = [7000, 16, 16]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool, httpx.Client(timeout=EXIT_TIMEOUT_S) as client:
             # 1 running + 2 waiting: the queue is at its limit.
-            def submit(n: int) -> concurrent.futures.Future:
-                return pool.submit(httpx.post, s.url + "/generate", timeout=EXIT_TIMEOUT_S,
-                                   json={"text": "queued", "sampling_params": dict(GREEDY, max_new_tokens=n)})
-            held = [submit(budgets[0])]
+            def submit(n: int, **extra: Any) -> concurrent.futures.Future:
+                return pool.submit(client.post, s.url + "/generate",
+                                   json={"text": "queued", "sampling_params": dict(GREEDY, max_new_tokens=n), **extra})
+            held = [submit(budgets[0], rid="long")]
             wait_until(lambda: s.state()["num_running_reqs"] == 1, 30.0, what="the long request running")
             held += [submit(n) for n in budgets[1:]]
             wait_until(lambda: s.info()["in_flight_requests"] == 3, 30.0, what="3 requests in flight")
@@ -195,8 +196,12 @@ def test_queue_limit_sheds_load(start_server, llama_dir):
             for f in burst:
                 assert_refused(f.result(), "--max-queued-requests 2")
             assert s.info()["in_flight_requests"] == 3
-            # Every accepted request finishes, in full.
-            for f, n in zip(held, budgets):
+            # Every accepted request ends: the long one aborted with its partial result,
+            # the queued ones in full.
+            assert client.post(s.url + "/abort_request", json={"rid": "long"}).json()["aborted"] is True
+            long_answer = held[0].result().json()["meta_info"]
+            assert long_answer["finish_reason"]["type"] == "abort" and long_answer["completion_tokens"] < budgets[0]
+            for f, n in zip(held[1:], budgets[1:]):
                 r = f.result()
                 assert r.status_code == 200, r.text[:300]
                 assert r.json()["meta_info"]["completion_tokens"] == n
