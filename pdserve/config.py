@@ -8,41 +8,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import ipaddress
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 import torch
 
-from pdserve.chat_templates import BUILTIN_CHAT_TEMPLATES
-from pdserve.disagg.staging import STAGING_MODES, choose_staging
-from pdserve.disagg.transfer import mooncake_reaches_gpu_memory
+from pdserve.config_checks import (ATTENTION_BACKENDS, DEVICES, DISAGGREGATION_MODES, DTYPES,  # noqa: F401
+                                   KV_CACHE_DTYPES, LOAD_FORMATS, PATH_FIELDS, SCHEDULE_POLICIES,
+                                   SPECULATIVE_ALGORITHMS, STAGING_MODES, TRANSFER_BACKENDS, ConfigError, flag,
+                                   validate)
+from pdserve.model import attention_backends
 from pdserve.server.reasoning import REASONING_PARSERS
 from pdserve.server.tool_calls import TOOL_CALL_PARSERS
-
-
-class ConfigError(ValueError):
-    """An invalid server option; the message names the flag."""
-
-
-DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
-DEVICES = ("auto", "cpu", "cuda")
-LOAD_FORMATS = ("auto", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
-SCHEDULE_POLICIES = ("fcfs", "lpm")
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
-DISAGGREGATION_MODES = ("null", "prefill", "decode")
-TRANSFER_BACKENDS = ("mooncake", "nixl")
-# Fields that hold a filesystem path: any os.PathLike is accepted and kept as str.
-PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "disaggregation_secret_file",
-               "chat_template")
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -186,196 +164,18 @@ class ServerArgs:
             if str(f.type) == "tuple[str, ...]" and isinstance(getattr(self, f.name), list):
                 object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
 
-    # ---- validation -------------------------------------------------------------
+    # ---- validation (pdserve/config_checks.py) -------------------------------------
     def _validate(self) -> None:
-        def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"{flag(name)}: {why}")
-
-        _check_types(self)
-        if self.trust_remote_code:
-            raise bad("trust_remote_code", "pdserve never runs remote code; "
-                      "only the built-in architectures (Llama, Mistral, Qwen2, Qwen3) are supported")
-        for name, choices in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
-                              ("load_format", LOAD_FORMATS),
-                              ("schedule_policy", SCHEDULE_POLICIES),
-                              ("reasoning_parser", (None, *REASONING_PARSERS)),
-                              ("tool_call_parser", (None, *TOOL_CALL_PARSERS))):
-            value = getattr(self, name)
-            if value not in choices:
-                raise bad(name, f"invalid choice {value!r} (choose from {', '.join(c for c in choices if c)})")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise bad("device", "cuda was requested but no CUDA device is available")
-        if self.tp_size < 1:
-            raise bad("tp_size", f"must be >= 1, got {self.tp_size}")
-        self._validate_device(bad)
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise bad("mem_fraction_static", f"must be in (0, 1), got {self.mem_fraction_static}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 1:
-            raise bad("max_total_tokens", f"must be >= 1, got {self.max_total_tokens}")
-        if self.max_running_requests < 1:
-            raise bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
-        if self.max_prefill_tokens < 1:
-            raise bad("max_prefill_tokens", f"must be >= 1, got {self.max_prefill_tokens}")
-        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
-            raise bad("chunked_prefill_size", f"must be -1 (disabled) or >= 1, got {self.chunked_prefill_size}")
-        if self.page_size < 1:
-            raise bad("page_size", f"must be >= 1, got {self.page_size}")
-        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise bad("max_total_tokens", f"{self.max_total_tokens} is smaller than one page "
-                      f"({flag('page_size')} {self.page_size})")
-        if self.context_length is not None and self.context_length < 2:
-            raise bad("context_length", f"must be >= 2, got {self.context_length}")
-        if self.random_seed is not None and not 0 <= self.random_seed < 2**63:
-            raise bad("random_seed", f"must be in [0, 2^63), got {self.random_seed}")
-        if self.max_n < 1:
-            raise bad("max_n", f"must be >= 1, got {self.max_n}")
-        if self.cpu_kv_budget_gb <= 0:
-            raise bad("cpu_kv_budget_gb", f"must be > 0, got {self.cpu_kv_budget_gb}")
-        if not 0 <= self.port <= 65535:
-            raise bad("port", f"must be in [0, 65535], got {self.port}")
-        if self.max_request_bytes < 1024:
-            raise bad("max_request_bytes", f"must be >= 1024, got {self.max_request_bytes}")
-        if self.max_prompt_logprob_entries < 0:
-            raise bad("max_prompt_logprob_entries", f"must be >= 0, got {self.max_prompt_logprob_entries}")
-        if self.request_read_timeout <= 0:
-            raise bad("request_read_timeout", f"must be > 0, got {self.request_read_timeout}")
-        if not 0 < self.send_timeout < float("inf"):
-            raise bad("send_timeout", f"must be > 0 and finite, got {self.send_timeout}")
-        if self.graceful_shutdown_timeout < 0:
-            raise bad("graceful_shutdown_timeout", f"must be >= 0, got {self.graceful_shutdown_timeout}")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise bad("max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
-        if self.grammar_max_bytes < 1:
-            raise bad("grammar_max_bytes", f"must be >= 1, got {self.grammar_max_bytes}")
-        if self.grammar_max_depth < 1:
-            raise bad("grammar_max_depth", f"must be >= 1, got {self.grammar_max_depth}")
-        if not 0 < self.grammar_compile_timeout < float("inf"):
-            raise bad("grammar_compile_timeout", f"must be > 0 and finite, got {self.grammar_compile_timeout}")
-        if self.grammar_cache_bytes < 0:
-            raise bad("grammar_cache_bytes", f"must be >= 0 (0: no cache), got {self.grammar_cache_bytes}")
-        if self.log_level not in ("debug", "info", "warning", "error", "critical"):
-            raise bad("log_level", f"invalid choice {self.log_level!r} (debug, info, warning, error, critical)")
-        if self.model_path is not None and not os.path.isdir(self.model_path):
-            raise bad("model_path", f"{self.model_path!r} is not a directory")
-        if self.tokenizer_path is not None and not os.path.isdir(self.tokenizer_path):
-            raise bad("tokenizer_path", f"{self.tokenizer_path!r} is not a directory")
-        for name in self.served_model_name:
-            if not isinstance(name, str) or not name.strip():
-                raise bad("served_model_name", f"names must be non-empty strings, got {name!r}")
-        if self.chat_template is not None and self.chat_template not in BUILTIN_CHAT_TEMPLATES \
-                and not os.path.isfile(self.chat_template):
-            raise bad("chat_template", f"{self.chat_template!r} is neither a file nor a built-in template "
-                      f"(built-in: {', '.join(sorted(BUILTIN_CHAT_TEMPLATES))})")
-        self._validate_speculative(bad)
-        self._validate_disaggregation(bad)
-
-    def _validate_device(self, bad: Any) -> None:
-        on_cuda = self.resolved_device().type == "cuda"
-        backend = self.attention_backend
-        if backend == "flashinfer":
-            raise bad("attention_backend", "flashinfer is not wired in yet (its wrappers need a GPU run to "
-                      "verify); use triton on CUDA or torch_native")
-        if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise bad("attention_backend", "triton needs a CUDA device (on a CPU it runs only under "
-                      "Triton's interpreter, TRITON_INTERPRET=1, which the tests use); use torch_native")
-        if backend == "triton" and importlib.util.find_spec("triton") is None:
-            raise bad("attention_backend", "triton is not installed (pip install triton)")
-        if on_cuda and self.tp_size > 1:
-            raise bad("tp_size", "tensor parallelism on CUDA is refused: pdserve's machines have one GPU, "
-                      "so the NCCL path has never run (TP > 1 works on CPU)")
-        if self.cuda_graph_max_bs < 1:
-            raise bad("cuda_graph_max_bs", f"must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.use_cuda_graph() and not on_cuda:
-            raise bad("enable_cuda_graph", "CUDA graphs need a CUDA device")
-        if self.use_cuda_graph() and self.resolved_attention_backend() != "triton":
-            raise bad("enable_cuda_graph", "CUDA graphs need --attention-backend triton")
-
-    def _validate_disaggregation(self, bad: Any) -> None:
-        for name, choices in (("disaggregation_mode", DISAGGREGATION_MODES),
-                              ("disaggregation_transfer_backend", TRANSFER_BACKENDS),
-                              ("disaggregation_kv_staging", STAGING_MODES)):
-            value = getattr(self, name)
-            if value not in choices:
-                raise bad(name, f"invalid choice {value!r} (choose from {', '.join(choices)})")
-        if self.disaggregation_mode != "null" and self.disaggregation_transfer_backend == "mooncake":
-            try:  # a staging mode the installed transfer engine cannot serve fails here, at startup
-                choose_staging(self.disaggregation_kv_staging, torch.device(self.resolved_device()),
-                               mooncake_reaches_gpu_memory())
-            except ValueError as exc:
-                raise bad("disaggregation_kv_staging", str(exc).split(": ", 1)[1]) from None
-        if not 0 <= self.disaggregation_bootstrap_port <= 65535:
-            raise bad("disaggregation_bootstrap_port", f"must be in [0, 65535], got {self.disaggregation_bootstrap_port}")
-        for name in ("disaggregation_bootstrap_timeout", "disaggregation_waiting_timeout",
-                     "disaggregation_transfer_timeout", "disaggregation_heartbeat_interval"):
-            if getattr(self, name) <= 0:
-                raise bad(name, f"must be > 0, got {getattr(self, name)}")
-        if self.disaggregation_heartbeat_misses < 1:
-            raise bad("disaggregation_heartbeat_misses", f"must be >= 1, got {self.disaggregation_heartbeat_misses}")
-        if self.disaggregation_secret is not None and self.disaggregation_secret_file is not None:
-            raise bad("disaggregation_secret", f"give it or {flag('disaggregation_secret_file')}, not both")
-        if self.disaggregation_secret is not None and len(self.disaggregation_secret) < 16:
-            raise bad("disaggregation_secret", "must be at least 16 characters")
-        if self.disaggregation_secret_file is not None and not os.path.isfile(self.disaggregation_secret_file):
-            raise bad("disaggregation_secret_file", f"{self.disaggregation_secret_file!r} is not a file")
-        for entry in self.disaggregation_allowed_prefill:
-            host, _, port = entry.rpartition(":") if entry.count(":") == 1 else (entry, "", "")
-            if not host or (port and not (port.isdigit() and 0 < int(port) <= 65535)):
-                raise bad("disaggregation_allowed_prefill", f"{entry!r} is not HOST or HOST:PORT")
-        if self.disaggregation_mode == "null":
-            return
-        if not is_loopback(self.host) and self.disaggregation_secret is None \
-                and self.disaggregation_secret_file is None:
-            raise bad("disaggregation_secret", f"a {self.disaggregation_mode} server on {self.host!r} (not a "
-                      "loopback address) refuses to start without a shared secret: its control, bootstrap "
-                      "and transfer ports would accept anyone on the network (give the same "
-                      f"{flag('disaggregation_secret')} or {flag('disaggregation_secret_file')} to every "
-                      "server of the deployment)")
-        if self.disaggregation_transfer_backend == "nixl":
-            raise bad("disaggregation_transfer_backend", "nixl is not supported yet; use mooncake")
-
-    def _validate_speculative(self, bad: Any) -> None:
-        shape = (self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
-        if self.speculative_algorithm is None:
-            for name in ("speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
-                         "speculative_num_draft_tokens"):
-                if getattr(self, name) is not None:
-                    raise bad(name, f"needs {flag('speculative_algorithm')}")
-            return
-        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
-            raise bad("speculative_algorithm", f"invalid choice {self.speculative_algorithm!r} "
-                      f"(choose from {', '.join(SPECULATIVE_ALGORITHMS)})")
-        if self.speculative_draft_model_path is None:
-            raise bad("speculative_draft_model_path", f"is required with {flag('speculative_algorithm')} "
-                      f"{self.speculative_algorithm}")
-        if not os.path.isdir(self.speculative_draft_model_path):
-            raise bad("speculative_draft_model_path", f"{self.speculative_draft_model_path!r} is not a directory")
-        if any(v is None for v in shape) and any(v is not None for v in shape):
-            raise bad("speculative_num_steps", f"give {flag('speculative_num_steps')}, "
-                      f"{flag('speculative_eagle_topk')} and {flag('speculative_num_draft_tokens')} together "
-                      "(or none of them for the defaults)")
-        if shape[0] is not None:
-            steps, topk, tokens = shape
-            assert steps is not None and topk is not None and tokens is not None
-            if steps < 1:
-                raise bad("speculative_num_steps", f"must be >= 1, got {steps}")
-            if topk < 1:
-                raise bad("speculative_eagle_topk", f"must be >= 1, got {topk}")
-            if tokens < 2:
-                raise bad("speculative_num_draft_tokens", f"must be >= 2, got {tokens}")
-            pool = topk + (steps - 1) * topk * topk
-            if topk > 1 and tokens - 1 > pool:
-                raise bad("speculative_num_draft_tokens", f"{tokens} needs {tokens - 1} draft tokens but "
-                          f"{steps} steps of top-{topk} propose at most {pool}")
-        if self.tp_size > 1:
-            raise bad("speculative_algorithm", "speculative decoding with --tp-size > 1 is not supported yet")
+        validate(self)
 
     def speculative_shape(self, architecture: str) -> tuple[int, int, int]:
         """(num_steps, eagle_topk, num_draft_tokens): the flags, or SGLang's per-model
-        defaults ((5, 4, 8) for Llama targets, the chain (3, 1, 4) otherwise).
-        Top-k 1 is a chain: it forces num_draft_tokens = num_steps + 1."""
+        defaults, which the target's architecture class declares ((5, 4, 8) for Llama
+        targets, the chain (3, 1, 4) otherwise). Top-k 1 is a chain: it forces
+        num_draft_tokens = num_steps + 1."""
         if self.speculative_num_steps is None:
-            steps, topk, tokens = (5, 4, 8) if architecture == "LlamaForCausalLM" else (3, 1, 4)
+            from pdserve.model.registry import architecture_class
+            steps, topk, tokens = architecture_class(architecture).speculative_defaults
         else:
             steps, topk, tokens = (self.speculative_num_steps, self.speculative_eagle_topk,  # type: ignore
                                    self.speculative_num_draft_tokens)
@@ -402,8 +202,10 @@ class ServerArgs:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        on_cuda = self.resolved_device().type == "cuda"
-        return "triton" if on_cuda and importlib.util.find_spec("triton") is not None else "torch_native"
+        return attention_backends.auto_backend(self.resolved_device().type)
+
+    def _attention_backend_supports(self, capability: str) -> bool:
+        return bool(getattr(attention_backends.backend_class(self.resolved_attention_backend()), capability))
 
     def use_cuda_graph(self) -> bool:
         return self.enable_cuda_graph and not self.disable_cuda_graph
@@ -486,33 +288,6 @@ _FIELD_CHOICES = {
     "reasoning_parser": tuple(REASONING_PARSERS),
     "tool_call_parser": tuple(TOOL_CALL_PARSERS),
 }
-_TYPE_CHECKS: dict[str, tuple[type, ...]] = {
-    "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
-    "int | None": (int, type(None)), "float | None": (int, float, type(None)),
-    "str | None": (str, type(None)), "tuple[str, ...]": (tuple,),
-}
-
-
-def _check_types(args: ServerArgs) -> None:
-    for f in fields(args):
-        value = getattr(args, f.name)
-        allowed = _TYPE_CHECKS.get(str(f.type))
-        if allowed is None:
-            continue
-        # bool is an int subclass; refuse it where a number is expected.
-        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
-            raise ConfigError(f"{flag(f.name)}: expected {f.type}, got {type(value).__name__} {value!r}")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class _RaisingParser(argparse.ArgumentParser):
     """argparse exits the process on error; callers of from_cli want an exception."""
 

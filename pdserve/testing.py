@@ -37,14 +37,23 @@ def build_char_tokenizer(out_dir: Path) -> int:
     return len(vocab)
 
 
-_ARCH = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-}
+def model_types() -> dict[str, str]:
+    """Model type ("llama", "qwen3_moe"...: their transformers config's) -> architecture,
+    for every architecture pdserve registers (pdserve/model/registry.py) that transformers has."""
+    import transformers
+
+    from pdserve.model.registry import supported_architectures
+
+    return {getattr(transformers, name).config_class.model_type: name for name in supported_architectures()
+            if hasattr(transformers, name)}
+
+
+def hf_causal_lm_name(model_type: str) -> str:
+    types = model_types()
+    if model_type not in types:
+        raise ValueError(f"no supported architecture has model type {model_type!r} (supported: "
+                         f"{', '.join(sorted(types))})")
+    return types[model_type]
 
 
 def build_random_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: int = 64,
@@ -52,27 +61,27 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", *, hidden_size:
                        intermediate_size: int = 128, vocab_size: int | None = None,
                        tie_word_embeddings: bool = False, max_position_embeddings: int = 1024,
                        seed: int = 0, **config_overrides: Any) -> Path:
-    """Write a random `arch` checkpoint + character tokenizer to out_dir."""
+    """Write a random checkpoint of model type `arch` (any whose transformers
+    architecture pdserve registers) + character tokenizer to out_dir."""
     import torch
     import transformers
 
+    model_cls = getattr(transformers, hf_causal_lm_name(arch))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok_vocab = build_char_tokenizer(out)
-    cfg_cls_name, model_cls_name = _ARCH[arch]
-    cfg_cls = getattr(transformers, cfg_cls_name)
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size or tok_vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    if arch in ("qwen3", "qwen3_moe"):
-        kwargs["head_dim"] = hidden_size // num_heads
+    # Explicit: some configs' default is not hidden_size // num_heads (Qwen3's is 128).
+    kwargs["head_dim"] = hidden_size // num_heads
     kwargs.update(config_overrides)
-    cfg = cfg_cls(**kwargs)
+    cfg = model_cls.config_class(**kwargs)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls_name)(cfg)
+    model = model_cls(cfg)
     # Random init is tiny (std 0.02): widen it so logits are not flat and greedy
     # choices are well separated (parity tests compare argmaxes).
     with torch.no_grad():
@@ -228,7 +237,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description="Write a tiny random checkpoint (+ character tokenizer).")
     ap.add_argument("out_dir")
-    ap.add_argument("--arch", default="llama", choices=sorted(_ARCH))
+    ap.add_argument("--arch", default="llama", choices=sorted(model_types()))
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     args = ap.parse_args()

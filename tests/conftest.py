@@ -18,6 +18,66 @@ from pdserve.testing import build_random_model
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# ---- the fast tier (`pytest -m fast`) ------------------------------------------------
+# Tests marked `fast` start no processes and launch no Triton-interpreter kernels. That
+# promise is enforced: while such a test (its fixtures included) runs, each way of starting
+# a process, and a Triton kernel launch under TRITON_INTERPRET, raises.
+FAST_TIER_PROMISE = "the fast tier (-m fast) starts no processes and runs no Triton-interpreter kernels"
+
+
+def fast_tier_refusal(nodeid: str, what: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"{nodeid} is marked fast but called {what}: {FAST_TIER_PROMISE}; "
+                             "drop its `fast` mark or keep it in-process")
+    return refuse
+
+
+def install_fast_tier_guard(mp: pytest.MonkeyPatch, nodeid: str) -> None:
+    """Make starting a process (or launching an interpreted Triton kernel) raise for ``nodeid``."""
+    import multiprocessing.process
+    import subprocess
+
+    mp.setattr(subprocess.Popen, "__init__", fast_tier_refusal(nodeid, "subprocess.Popen"))
+    mp.setattr(multiprocessing.process.BaseProcess, "start",
+               fast_tier_refusal(nodeid, "multiprocessing.Process.start"))
+    for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp",
+                 "spawnv", "spawnve", "spawnvp", "spawnvpe"):
+        if hasattr(os, name):
+            mp.setattr(os, name, fast_tier_refusal(nodeid, f"os.{name}"))
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return
+    mp.setattr(InterpretedFunction, "run", fast_tier_refusal(nodeid, "a Triton kernel (TRITON_INTERPRET)"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    yield from _fast_tier_guarded(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    yield from _fast_tier_guarded(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    yield from _fast_tier_guarded(item)
+
+
+def _fast_tier_guarded(item: pytest.Item) -> Iterator[None]:
+    if item.get_closest_marker("fast") is None:
+        yield
+        return
+    mp = pytest.MonkeyPatch()
+    install_fast_tier_guard(mp, item.nodeid)
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     """A failed test's report carries the log tails of the server / router processes running then."""

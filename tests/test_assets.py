@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.mark.fast
 def test_asset_paths():
     from pdserve import assets
 
@@ -28,6 +29,7 @@ def test_demo_loads_in_transformers():
     assert model.config.vocab_size == len(tok)
 
 
+@pytest.mark.fast
 def test_demo_tokenizer_merges_recall_keys():
     """A recall question's last token and its key's list token are single tokens (`c?\\n`, `c=`)."""
     from transformers import AutoTokenizer
@@ -62,6 +64,7 @@ def _load_trainer():
     return trainer
 
 
+@pytest.mark.fast
 def test_trainer_encoding_matches_the_shipped_tokenizer():
     """scripts/train_demo_model.py trains on exactly the tokens the shipped template + tokenizer produce."""
     import random
@@ -81,6 +84,7 @@ def test_trainer_encoding_matches_the_shipped_tokenizer():
         assert tok(rendered, add_special_tokens=False)["input_ids"] == trainer.encode(conv)[0]
 
 
+@pytest.mark.fast
 def test_trainer_task_shares():
     """--recall-share / --copy-share set the task mix; without --copy-share arithmetic : copy keep their ratio."""
     import random
@@ -106,6 +110,7 @@ def test_trainer_task_shares():
             trainer.parse_args(bad)
 
 
+@pytest.mark.fast
 def test_trainer_lookup_targets_point_at_the_recalled_value():
     """Each recall answer character's target is the list token it copies; a follow-up uses the latest list."""
     trainer = _load_trainer()
@@ -135,6 +140,7 @@ def test_trainer_lookup_targets_point_at_the_recalled_value():
         assert ids[source] in key_eq | set(trainer.KEY_EQ) and 1 <= query - source <= 3
 
 
+@pytest.mark.fast
 def test_trainer_copy_operand_and_previous_token_targets():
     """Copy heads look at the character they emit; operand heads at A's and B's digits; a previous-token head one back."""
     trainer = _load_trainer()
@@ -189,6 +195,7 @@ def test_trainer_copy_operand_and_previous_token_targets():
             trainer.parse_args(bad)
 
 
+@pytest.mark.fast
 def test_trainer_resume_keeps_the_checkpoints_recipe(tmp_path):
     """A resumed run is the same run: recipe flags come from the checkpoint, the rest from the command line."""
     trainer = _load_trainer()
@@ -249,6 +256,7 @@ def test_trainer_tiny_run_switches_shares_at_the_decay_resumes_and_exports(tmp_p
     assert "Trained for 6 steps" in readme and "--decay-from 0.5" in readme and "Status: below the bars" in readme
 
 
+@pytest.mark.fast
 def test_trainer_lookup_attention_matches_the_models_own_attention():
     """The recomputed supervised scores are the layer's real attention (eager attention as reference)."""
     import random
@@ -391,6 +399,7 @@ FIXED_QUESTIONS = [
 ]
 
 
+@pytest.mark.fast
 def test_fixed_questions_are_held_out():
     from pdserve.assets import demo_tasks
 

@@ -9,6 +9,8 @@ import torch
 
 from pdserve.config import ConfigError, ServerArgs
 
+pytestmark = pytest.mark.fast
+
 
 def test_defaults_construct():
     args = ServerArgs()
@@ -171,7 +173,7 @@ def test_replace_revalidates():
 
 
 def test_security_flags():
-    from pdserve.config import is_loopback
+    from pdserve.config_checks import is_loopback
     args = ServerArgs.from_cli(["--disaggregation-allowed-prefill", "10.0.0.1:8998", "prefill-0",
                                 "--admin-api-key", "adm", "--max-request-bytes", "4096"])
     assert args.disaggregation_allowed_prefill == ("10.0.0.1:8998", "prefill-0")

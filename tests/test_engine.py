@@ -14,6 +14,7 @@ def engine(make_engine, llama_dir):
     return make_engine(llama_dir)
 
 
+@pytest.mark.fast
 def test_same_seed_same_output_whatever_the_batch(engine):
     params = {"temperature": 1.0, "top_p": 0.9, "seed": 1234, "max_new_tokens": 16, "ignore_eos": True}
     alone = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
@@ -24,6 +25,7 @@ def test_same_seed_same_output_whatever_the_batch(engine):
     assert other["output_ids"] != alone["output_ids"]
 
 
+@pytest.mark.fast
 def test_top_k_one_is_greedy(engine):
     greedy = engine.generate(input_ids=PROMPTS[1], sampling_params=dict(GREEDY, max_new_tokens=12))
     topk1 = engine.generate(input_ids=PROMPTS[1], sampling_params={
@@ -31,6 +33,7 @@ def test_top_k_one_is_greedy(engine):
     assert topk1["output_ids"] == greedy["output_ids"]
 
 
+@pytest.mark.fast
 def test_max_new_tokens_exact(engine):
     for n in (1, 7, 20):
         out = engine.generate(input_ids=PROMPTS[2], sampling_params=dict(GREEDY, max_new_tokens=n))
@@ -38,6 +41,7 @@ def test_max_new_tokens_exact(engine):
         assert out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
 
 
+@pytest.mark.fast
 def test_stop_string_cuts_exactly(engine):
     prompt = "The quick brown fox"
     full = engine.generate(prompt, dict(GREEDY, max_new_tokens=30))
@@ -57,6 +61,7 @@ def test_stop_string_cuts_exactly(engine):
     assert kept["text"].endswith(stop)
 
 
+@pytest.mark.fast
 def test_stop_token_ids_and_min_new_tokens(engine):
     full = engine.generate(input_ids=PROMPTS[3], sampling_params=dict(GREEDY, max_new_tokens=20))
     ids = full["output_ids"]
@@ -73,6 +78,7 @@ def test_stop_token_ids_and_min_new_tokens(engine):
     assert len(out["output_ids"]) >= 5 and first not in out["output_ids"][:4]
 
 
+@pytest.mark.fast
 def test_n_samples_share_prompt(engine):
     params = {"temperature": 1.0, "n": 3, "seed": 7, "max_new_tokens": 12, "ignore_eos": True}
     outs = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
@@ -89,6 +95,7 @@ def test_n_samples_share_prompt(engine):
         assert greedy[2 * i]["output_ids"] == greedy[2 * i + 1]["output_ids"] == s["output_ids"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_n_samples_with_partial_page(make_engine, llama_dir, page_size):
     engine = make_engine(llama_dir, page_size=page_size)
@@ -98,6 +105,7 @@ def test_n_samples_with_partial_page(make_engine, llama_dir, page_size):
     assert all(o["output_ids"] == ref["output_ids"] for o in outs)
 
 
+@pytest.mark.fast
 def test_top_logprobs(engine):
     out = engine.generate(input_ids=PROMPTS[1], sampling_params=dict(GREEDY, max_new_tokens=6),
                           return_logprob=True, top_logprobs_num=3)
@@ -109,6 +117,7 @@ def test_top_logprobs(engine):
         assert top[0][1] == tok and abs(top[0][0] - lp) < 1e-6
 
 
+@pytest.mark.fast
 def test_penalties_change_greedy_choice(engine):
     base = engine.generate(input_ids=PROMPTS[2], sampling_params=dict(GREEDY, max_new_tokens=30))
     assert len(set(base["output_ids"])) < 30  # the random model repeats itself
@@ -121,6 +130,7 @@ def test_penalties_change_greedy_choice(engine):
     assert rep["output_ids"] != base["output_ids"]
 
 
+@pytest.mark.fast
 def test_text_prompt_and_list_of_prompts(engine):
     one = engine.generate("hello", dict(GREEDY, max_new_tokens=5))
     assert isinstance(one, dict) and one["meta_info"]["prompt_tokens"] == 5
@@ -129,6 +139,7 @@ def test_text_prompt_and_list_of_prompts(engine):
     assert many[0]["output_ids"] == one["output_ids"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("params, field", [
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -145,6 +156,7 @@ def test_invalid_sampling_params_raise_naming_field(engine, params, field):
         engine.generate(input_ids=PROMPTS[0], sampling_params=params)
 
 
+@pytest.mark.fast
 def test_bad_inputs_raise(engine):
     ctx = engine.context_len
     with pytest.raises(ValueError, match="prompt"):
@@ -163,6 +175,7 @@ def test_bad_inputs_raise(engine):
         engine.generate("a\ud800", {"max_new_tokens": 1})  # the tokenizer would raise TypeError
 
 
+@pytest.mark.fast
 def test_unknown_engine_option_raises(llama_dir):
     from pdserve import Engine
     from pdserve.config import ConfigError
@@ -173,6 +186,7 @@ def test_unknown_engine_option_raises(llama_dir):
         Engine(model_path=str(llama_dir), trust_remote_code=True)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_n_samples_finishing_apart_under_memory_pressure(make_engine, llama_dir, page_size):
     # Samples of one prompt finish at different lengths while the pool is tight:
@@ -186,6 +200,7 @@ def test_n_samples_finishing_apart_under_memory_pressure(make_engine, llama_dir,
         assert all(o["meta_info"]["finish_reason"]["type"] in ("stop", "length") for o in outs)
 
 
+@pytest.mark.fast
 def test_engine_accepts_path_objects(make_engine):
     """`Engine(model_path=pdserve.assets.path("demo"))`, as the issue tried it: a Path
     (any os.PathLike) wherever a path is taken, same answers as the str spelling."""

@@ -8,6 +8,8 @@ import pytest
 
 from pdserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.fast
+
 
 def test_defaults():
     p = SamplingParams()

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.gpu_check import Report, check_parser
+from pdserve.bench.gpu_report import Report, check_parser
 
 # Equality checks run in float32: a different batch composition (prefill and decode
 # batch apart from each other) changes the GEMMs' shapes, which in bf16 can flip a
@@ -47,8 +47,8 @@ def check_pd(rep: Report, entry: dict[str, Any], target: Path, draft: Path, devi
              pair_timeout: float = 60) -> None:
     from pdserve import Engine
     from pdserve.disagg.local_pair import build_side, run_pair
-    from pdserve.scheduler.decode import DecodeScheduler
-    from pdserve.scheduler.prefill import PrefillScheduler
+    from pdserve.disagg.decode_side import decode_scheduler
+    from pdserve.disagg.prefill_side import prefill_scheduler
 
     greedy = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
     base = {**EXACT, "device": device.type, "max_total_tokens": 16384, "max_running_requests": 128}
@@ -66,20 +66,20 @@ def check_pd(rep: Report, entry: dict[str, Any], target: Path, draft: Path, devi
         name = f"P {p_mode} / D {d_mode}{' EAGLE' if spec else ''}"
         p = d = None
         try:
-            p = build_side(PrefillScheduler, target, {**base, "disaggregation_kv_staging": p_mode})
-            d = build_side(DecodeScheduler, target,
+            p = build_side(prefill_scheduler, target, {**base, "disaggregation_kv_staging": p_mode})
+            d = build_side(decode_scheduler, target,
                            {**base, "disaggregation_kv_staging": d_mode, **(eagle if spec else {})},
-                           fetch_ranks=lambda url, p=p: [p.manager.rank_info(1, "127.0.0.1")])
+                           fetch_ranks=lambda url, p=p: [p.mode.manager.rank_info(1, "127.0.0.1")])
             t0 = time.perf_counter()
             out1 = [r.output_ids for r in run_pair(p, d, turn1, greedy, timeout=pair_timeout)]
             out2 = [r.output_ids for r in run_pair(p, d, turn2, greedy, timeout=pair_timeout)]
             same1 = sum(a == b for a, b in zip(out1, answers))
             same2 = sum(a == b for a, b in zip(out2, ref2))
             entry[name] = {"turn1_equal": same1, "turn2_equal": same2, "requests": n,
-                           "decode_prefix_hit_tokens": d.prefix_hit_tokens,
+                           "decode_prefix_hit_tokens": d.mode.prefix_hit_tokens,
                            "seconds": round(time.perf_counter() - t0, 2), "ok": same1 == n and same2 == n}
             rep.say(f"{name}: greedy equal to colocated {same1}/{n}, second turn {same2}/{n} "
-                    f"(decode prefix hits {d.prefix_hit_tokens} tokens)")
+                    f"(decode prefix hits {d.mode.prefix_hit_tokens} tokens)")
             if same1 != n or same2 != n:
                 failed.append(name)
         except Exception as exc:

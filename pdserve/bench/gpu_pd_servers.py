@@ -40,7 +40,7 @@ import httpx
 import torch
 
 from pdserve.bench import serving
-from pdserve.bench.gpu_check import Report, check_parser
+from pdserve.bench.gpu_report import Report, check_parser
 from pdserve.up import Deployment, free_port
 from pdserve.up import parse_args as up_args
 

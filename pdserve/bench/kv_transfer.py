@@ -133,9 +133,9 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
     from pdserve.model.runner import ModelRunner
     from pdserve.requests import RequestBuilder
     from pdserve.sampling_params import SamplingParams
-    from pdserve.scheduler.decode import DecodeScheduler
-    from pdserve.scheduler.handoff import Phase
-    from pdserve.scheduler.prefill import PrefillScheduler
+    from pdserve.disagg.decode_side import decode_scheduler
+    from pdserve.disagg.handoff import Phase
+    from pdserve.disagg.prefill_side import prefill_scheduler
     from pdserve.scheduler.req import samples_from_message
     from pdserve.scheduler.scheduler import Scheduler
 
@@ -146,9 +146,9 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
         return ModelRunner(args, Path(model_dir), TPGroup())
     text = str
     colo = Scheduler(args, runner(), text)  # type: ignore[arg-type]
-    p = PrefillScheduler(args, runner(), text, MooncakeTransfer("127.0.0.1"))  # type: ignore[arg-type]
-    d = DecodeScheduler(args, runner(), text, MooncakeTransfer("127.0.0.1"),  # type: ignore[arg-type]
-                        fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = prefill_scheduler(args, runner(), text, MooncakeTransfer("127.0.0.1"))  # type: ignore[arg-type]
+    d = decode_scheduler(args, runner(), text, MooncakeTransfer("127.0.0.1"),  # type: ignore[arg-type]
+                        fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     builder = RequestBuilder(None, 10**6, 10**6, 1, 0)
     params = SamplingParams.from_dict({"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
     rng = random.Random(tokens)
@@ -171,11 +171,11 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
             t0 = time.perf_counter()
             p.add(rp)
             d.add(rd)
-            while not p.handoffs.count(Phase.INFLIGHT):
+            while not p.mode.handoffs.count(Phase.INFLIGHT):
                 p.step()
                 d.step()  # decode connects, reserves and asks for the KV
             t_handoff = time.perf_counter()
-            while d.manager.poll(1000 + i)[0] is not RoomState.SUCCESS:
+            while d.mode.manager.poll(1000 + i)[0] is not RoomState.SUCCESS:
                 time.sleep(0.0002)
             t_arrived = time.perf_counter()
             while not rd.output_ids:
@@ -195,7 +195,7 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
         p.close()
         d.close()
     out = {k: statistics.median(v) for k, v in phases.items()}
-    out["bytes"] = p.manager.bytes_sent / (repeats + 1)
+    out["bytes"] = p.mode.manager.bytes_sent / (repeats + 1)
     return out
 
 

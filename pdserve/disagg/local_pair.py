@@ -21,7 +21,7 @@ from pdserve.tokenizer import load_tokenizer
 
 def build_side(cls: type, model_dir: str | Path, args: dict[str, Any], tokenizer_dir: str | Path | None = None,
                **kw: Any) -> Any:
-    """A PrefillScheduler or DecodeScheduler (``cls``) on ``model_dir`` with ServerArgs
+    """A prefill_scheduler or decode_scheduler (``cls``) on ``model_dir`` with ServerArgs
     ``args`` and its own LocalTransfer; ``kw`` goes to the scheduler (a decode side's
     ``fetch_ranks``)."""
     server_args = ServerArgs(model_path=str(model_dir), **args)

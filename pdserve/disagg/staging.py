@@ -1,10 +1,11 @@
 """Where the transfer engine reads and writes KV: the device buffers themselves, or host
 copies of them.
 
-A transfer engine says whether it reaches device memory (``reaches_device_memory``):
-Mooncake's CUDA build registers GPU memory and writes it directly ("direct"), and so
-does the in-process ``LocalTransfer`` (cudaMemcpy). Mooncake's non-CUDA build (the
-`pd` extra) can only reach host memory, so on a GPU the KV is staged ("host"): each
+A transfer engine says whether it reaches device memory (``reaches_device_memory``,
+as its class's ``capabilities()`` declare: engines.py): Mooncake's CUDA build registers
+GPU memory and writes it directly ("direct"), and so does the in-process
+``LocalTransfer`` (cudaMemcpy). Mooncake's non-CUDA build (the `pd` extra) can only
+reach host memory, so on a GPU the KV is staged ("host"): each
 rank keeps a host twin of every transfer buffer with the same slot layout, registers
 the twins, a prefill rank copies the slots a forward filled into its twins before
 their write is queued, and a decode rank copies the received slots into its device
@@ -20,7 +21,8 @@ take more than ``HOST_STAGING_SHARE`` of the host's available memory.
 
 The mode is chosen once at startup (``choose_staging``) and logged; a combination
 that cannot work (direct GPU buffers with an engine that cannot reach them) is refused
-there.
+there, and earlier, when the server's options are validated, from the engine's declared
+capabilities alone (``staging_for_engine``: no engine is built).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from pdserve.disagg.engines import DEFAULT_TRANSFER_ENGINE, engine_capabilities
 from pdserve.disagg.transfer import TransferError, load_cudart
 from pdserve.model.device_io import upload, upload_tensor
 
@@ -50,10 +53,12 @@ class StagingMemoryError(ValueError):
     """The host cannot hold the host twins of a rank's transfer buffers."""
 
 
-def choose_staging(mode: str, device: torch.device, reaches_device_memory: bool) -> str:
+def choose_staging(mode: str, device: torch.device, reaches_device_memory: bool,
+                   engine: str = DEFAULT_TRANSFER_ENGINE) -> str:
     """'direct' or 'host' for ``--disaggregation-kv-staging mode`` on ``device`` with a
     transfer engine that can (or cannot) reach device memory; raises ValueError naming
-    the flag when the combination cannot work."""
+    the flag when the combination cannot work (with what the registered engine `engine`
+    declares about why, and what to do)."""
     if mode not in STAGING_MODES:
         raise ValueError(f"--disaggregation-kv-staging: must be one of {', '.join(STAGING_MODES)}, got {mode!r}")
     if device.type != "cuda":
@@ -61,10 +66,18 @@ def choose_staging(mode: str, device: torch.device, reaches_device_memory: bool)
     if mode == "auto":
         return "direct" if reaches_device_memory else "host"
     if mode == "direct" and not reaches_device_memory:
-        raise ValueError("--disaggregation-kv-staging direct: the transfer engine cannot reach GPU memory "
-                         "(for Mooncake: its non-CUDA build, mooncake-transfer-engine-non-cuda, is installed); "
-                         "install mooncake-transfer-engine (its CUDA build) or use host (or auto)")
+        caps = engine_capabilities(engine)
+        why = f" ({caps.device_memory_why_not})" if caps.device_memory_why_not else ""
+        remedy = f"{caps.device_memory_remedy} or " if caps.device_memory_remedy else ""
+        raise ValueError(f"--disaggregation-kv-staging direct: the transfer engine cannot reach GPU memory{why}; "
+                         f"{remedy}use host (or auto)")
     return mode
+
+
+def staging_for_engine(mode: str, device: torch.device, engine: str) -> str:
+    """``choose_staging`` for the registered transfer engine `engine`, from what its class
+    declares it reaches in this installation (nothing is built): the startup check."""
+    return choose_staging(mode, device, engine_capabilities(engine).reaches_device_memory, engine)
 
 
 def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
@@ -135,7 +148,7 @@ class HostStaging:
                 f"--disaggregation-kv-staging host: the host copies of the KV buffers need {need / gib:.2f} GiB, "
                 f"more than {HOST_STAGING_SHARE:.0%} of the host's {available / gib:.2f} GiB of available memory; "
                 "give a smaller KV pool (--max-total-tokens, or a lower --mem-fraction-static) or stage "
-                "directly (--disaggregation-kv-staging direct, with Mooncake's CUDA build)")
+                "directly (--disaggregation-kv-staging direct, with a transfer engine that reaches GPU memory)")
         for name, buffer in new.items():
             lock = buffer.is_cuda if self._lock is None else self._lock
             self.pairs[name] = (buffer, self._make_twin(buffer, lock))

@@ -16,6 +16,9 @@ mean nothing is wrong. Its level follows the server's --log-level instead
 (`mooncake_log_level`): everything at `debug`; otherwise its errors only, and none
 during `initialize` (where that line comes from; a failed initialize is reported by
 pdserve with its return code). An MC_LOG_LEVEL the user set wins.
+
+Servers pick their engine by name through ``engines.py`` (the registry): each engine
+class here declares its ``capabilities()`` and how it is built (``from_settings``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import os
 import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
+
+from pdserve.disagg.engines import EngineCapabilities, EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +63,12 @@ class WriteBatch:
 
 
 class TransferEngine(Protocol):
+    """What the transfer managers use. A class registered in ``engines.py`` also has the
+    classmethods ``capabilities() -> EngineCapabilities`` and ``from_settings(settings)``."""
+
     session_id: str
     # Whether register/write work on device (GPU) memory; when not, the KV is staged
-    # through host copies on a GPU (``choose_staging``).
+    # through host copies on a GPU (``choose_staging``). As the class's capabilities() say.
     reaches_device_memory: bool
 
     def register(self, ptr: int, length: int) -> None: ...
@@ -106,6 +114,18 @@ class MooncakeTransfer:
     """Mooncake TransferEngine; ``device`` = an IB device name for RDMA, "" for TCP.
     ``log_level`` (the server's --log-level) sets how much of Mooncake's log shows."""
 
+    @classmethod
+    def capabilities(cls) -> EngineCapabilities:
+        """GPU memory only with Mooncake's CUDA build (read from the installed packages)."""
+        return EngineCapabilities(
+            reaches_device_memory=mooncake_reaches_gpu_memory(),
+            device_memory_why_not="for Mooncake: its non-CUDA build, mooncake-transfer-engine-non-cuda, is installed",
+            device_memory_remedy="install mooncake-transfer-engine (its CUDA build)")
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings) -> "MooncakeTransfer":
+        return cls(settings.host, settings.ib_device, log_level=settings.log_level)
+
     def __init__(self, host: str, device: str = "", log_level: str = "info") -> None:
         level = mooncake_log_level(log_level)
         user_level = "MC_LOG_LEVEL" in os.environ
@@ -139,7 +159,7 @@ class MooncakeTransfer:
             hint = "" if level == GLOG_INFO else " (--log-level debug shows Mooncake's own messages)"
             raise TransferError(f"Mooncake initialize({host!r}, {protocol}, {device!r}) failed with {rc}{hint}")
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
-        self.reaches_device_memory = mooncake_reaches_gpu_memory()
+        self.reaches_device_memory = self.capabilities().reaches_device_memory
         self._registered: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
 
@@ -172,6 +192,20 @@ class LocalTransfer:
     the transfer plan without a network (peers must live in this process). Where CUDA
     is in use the copies go through ``cudaMemcpy`` (kind default: unified addressing
     tells host from device memory), so buffers may be GPU memory too."""
+
+    @classmethod
+    def capabilities(cls) -> EngineCapabilities:
+        """Device memory wherever there is no CUDA, or CUDA is initialized (cudaMemcpy)."""
+        import torch
+
+        return EngineCapabilities(
+            reaches_device_memory=not torch.cuda.is_available() or torch.cuda.is_initialized(),
+            device_memory_why_not="LocalTransfer copies GPU memory only once CUDA is initialized",
+            device_memory_remedy="initialize CUDA before building the engine")
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings) -> "LocalTransfer":
+        return cls(settings.host)
 
     def __init__(self, name: str = "local") -> None:
         import torch

@@ -6,16 +6,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from pdserve.model.transformer import CausalLM
 
 
 class ModelConfigError(ValueError):
     pass
-
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -95,11 +93,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ModelConfigError(
-                f"unsupported architecture {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        """The engine's view of a config.json: the first of its ``architectures`` that
+        pdserve registers (pdserve/model/registry.py) says how its quirks are read."""
+        from pdserve.model.registry import find_architecture  # imports the architecture's module
+
+        arch, model = find_architecture(raw.get("architectures") or [])
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -109,13 +107,11 @@ class ModelConfig:
                                    f"num_key_value_heads {kv_heads}")
         if raw.get("partial_rotary_factor", 1.0) != 1.0:
             raise ModelConfigError("partial_rotary_factor != 1 is not supported")
-        is_qwen = arch.startswith("Qwen")
-        is_moe = arch in MOE_ARCHITECTURES
         num_layers = int(raw["num_hidden_layers"])
-        moe = _moe_config(arch, raw, num_layers) if is_moe else None
-        attention_bias = bool(raw.get("attention_bias", False)) and arch != "MixtralForCausalLM"
+        moe = _moe_config(arch, model, raw, num_layers) if model.is_moe else None
+        attention_bias = bool(raw.get("attention_bias", False)) and model.reads_attention_bias
         sliding = raw.get("sliding_window")
-        if is_qwen and not raw.get("use_sliding_window", False):
+        if model.sliding_window_switch is not None and not raw.get(model.sliding_window_switch, False):
             sliding = None
         eos = _eos_ids(raw, generation or {})
         max_pos = int(raw.get("max_position_embeddings", 2048))
@@ -132,11 +128,10 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             rope=_rope_config(raw, max_pos),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias or arch == "Qwen2ForCausalLM",
-            # Qwen2 has no o_proj bias; Qwen3 (dense and MoE) follows attention_bias, as in transformers.
-            o_proj_bias=attention_bias and (not is_qwen or arch.startswith("Qwen3")),
-            mlp_bias=bool(raw.get("mlp_bias", False)) and not is_moe,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            attention_bias=attention_bias or model.qkv_bias,
+            o_proj_bias=attention_bias and model.o_proj_follows_attention_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)) and moe is None,  # experts carry no biases
+            qk_norm=model.qk_norm,
             eos_token_ids=eos,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             sliding_window=int(sliding) if sliding else None,
@@ -231,7 +226,13 @@ _MOE_OFF: dict[str, tuple[object, ...]] = {
 }
 
 
-def _moe_config(arch: str, raw: dict[str, Any], num_layers: int) -> MoeConfig:
+# What an MoE architecture reads from its config.json (its ``moe_layout``): the expert
+# count, the expert intermediate size (None when absent), norm_topk_prob, the sparse layers.
+MoeLayout = tuple[Any, Any, bool, tuple[int, ...]]
+MoeFail = Callable[[str], ModelConfigError]
+
+
+def _moe_config(arch: str, model: type[CausalLM], raw: dict[str, Any], num_layers: int) -> MoeConfig:
     def fail(msg: str) -> ModelConfigError:
         return ModelConfigError(f"{arch}: {msg}")
 
@@ -242,25 +243,7 @@ def _moe_config(arch: str, raw: dict[str, Any], num_layers: int) -> MoeConfig:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise fail(f"hidden_act {act!r} is not supported (experts use silu)")
-    if arch == "MixtralForCausalLM":
-        num_experts = raw.get("num_local_experts")
-        norm = True  # Mixtral always renormalises the chosen experts' probabilities
-        inter = raw.get("intermediate_size")
-        sparse = tuple(range(num_layers))
-    else:
-        # Qwen3-MoE names it num_experts; transformers 5 writes num_local_experts.
-        counts = {raw[k] for k in ("num_experts", "num_local_experts") if raw.get(k) is not None}
-        if len(counts) > 1:
-            raise fail(f"num_experts and num_local_experts disagree: {sorted(counts)}")
-        num_experts = counts.pop() if counts else None
-        norm = raw.get("norm_topk_prob", False)
-        if not isinstance(norm, bool):
-            raise fail(f"norm_topk_prob must be true or false, got {norm!r}")
-        inter = raw.get("moe_intermediate_size")
-        step = int(raw.get("decoder_sparse_step", 1) or 1)
-        dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
-        sparse = tuple(i for i in range(num_layers)
-                       if i not in dense and (num_experts or 0) > 0 and (i + 1) % step == 0)
+    num_experts, inter, norm, sparse = model.moe_layout(raw, num_layers, fail)
     if num_experts is None or inter is None:
         raise fail("the config lacks the expert count or the expert intermediate size")
     num_experts, inter, top_k = int(num_experts), int(inter), int(raw.get("num_experts_per_tok", 0) or 0)

@@ -1,27 +1,58 @@
-"""Hugging Face architecture name -> model class."""
+"""Model architectures by Hugging Face name (config.json ``architectures``), each
+imported only when used.
+
+An architecture is a CausalLM subclass (pdserve/model/transformer.py) whose class
+attributes say how its config.json is read; ModelConfig.from_hf asks them, never
+the name. Adding an architecture is one module holding its class and one line in
+``ARCHITECTURES``.
+"""
 
 from __future__ import annotations
 
-from pdserve.model.llama import LlamaForCausalLM, MistralForCausalLM
-from pdserve.model.mixtral import MixtralForCausalLM
-from pdserve.model.model_config import ModelConfig, ModelConfigError
-from pdserve.model.qwen2 import Qwen2ForCausalLM
-from pdserve.model.qwen3 import Qwen3ForCausalLM
-from pdserve.model.qwen3_moe import Qwen3MoeForCausalLM
-from pdserve.model.transformer import CausalLM
+import importlib
+from typing import TYPE_CHECKING, Sequence, cast
 
-ARCHITECTURES: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
+from pdserve.model.model_config import ModelConfig, ModelConfigError
+
+if TYPE_CHECKING:
+    from pdserve.model.transformer import CausalLM
+
+# Hugging Face architecture name -> "module:Class", imported on first use.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "pdserve.model.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "pdserve.model.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "pdserve.model.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "pdserve.model.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "pdserve.model.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "pdserve.model.mixtral:MixtralForCausalLM",
 }
 
 
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(ARCHITECTURES)
+
+
+def _unsupported(what: object) -> ModelConfigError:
+    return ModelConfigError(f"unsupported architecture {what!r}; supported: {', '.join(ARCHITECTURES)}")
+
+
+def architecture_class(name: str) -> type[CausalLM]:
+    """The class registered as ``name``, imported now (ModelConfigError listing the
+    supported names if there is none)."""
+    path = ARCHITECTURES.get(name)
+    if path is None:
+        raise _unsupported(name)
+    module, _, attr = path.partition(":")
+    return cast("type[CausalLM]", getattr(importlib.import_module(module), attr))
+
+
+def find_architecture(archs: Sequence[str]) -> tuple[str, type[CausalLM]]:
+    """The first of a config's ``architectures`` that is registered, and its class."""
+    for name in archs:
+        if name in ARCHITECTURES:
+            return name, architecture_class(name)
+    raise _unsupported(archs)
+
+
 def model_class(cfg: ModelConfig) -> type[CausalLM]:
-    try:
-        return ARCHITECTURES[cfg.architecture]
-    except KeyError:
-        raise ModelConfigError(f"unsupported architecture {cfg.architecture!r}") from None
+    return architecture_class(cfg.architecture)

@@ -10,11 +10,11 @@ from typing import Any, Sequence
 import torch
 
 from pdserve.config import ConfigError, ServerArgs
-from pdserve.model.attention import (AttentionBackend, ForwardContext, KVStore, RowLayout, TorchNativeAttention,
-                                     TreeMasks)
+from pdserve.model.attention_backends import AttentionBackend, backend_class, backends_supporting, create_backend
 from pdserve.model.cuda_graph import DecodeGraphs
 from pdserve.model.decode_mirror import DecodeKVMirror
 from pdserve.model.device_io import upload
+from pdserve.model.forward_context import ForwardContext, KVStore, RowLayout, TreeMasks
 from pdserve.model.layers import Linear, RotaryEmbedding
 from pdserve.model.loader import build_model
 from pdserve.model.model_config import ModelConfig
@@ -92,7 +92,7 @@ class ModelRunner:
         the padding slot 0), for rows that pad a batch to a captured size."""
         self.attention_backend = self.args.resolved_attention_backend()
         if (not self.args.disable_decode_kv_mirror and self.device.type == "cpu"
-                and self.attention_backend == "torch_native"):
+                and backend_class(self.attention_backend).supports_decode_mirror):
             # Bounded to a quarter of the pool: past that, decode gathers from the pool.
             # Not on CUDA: there the pool is sized to fill the free device memory and
             # a gather costs little next to the device's bandwidth.
@@ -109,9 +109,9 @@ class ModelRunner:
     def enable_decode_graphs(self, max_bs: int, capture: bool) -> None:
         """Plain decode forwards of up to ``max_bs`` rows go through static buffers,
         replayed from CUDA graphs when ``capture`` (else run eagerly: the CPU tests)."""
-        if self.backend.name != "triton":
-            raise ConfigError("CUDA graphs need --attention-backend triton (its decode plan reads no host "
-                              "lengths)")
+        if not self.backend.supports_cuda_graphs:
+            names = " or ".join(backends_supporting("supports_cuda_graphs"))
+            raise ConfigError(f"CUDA graphs need --attention-backend {names} (its decode plan reads no host lengths)")
         if capture and self.config.moe is not None:
             raise ConfigError(f"CUDA graphs are not supported for {self.config.architecture}: its MoE layers "
                               "read the per-expert token counts on the host (run without --enable-cuda-graph)")
@@ -126,11 +126,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _attention(self, kv_pool: KVStore) -> AttentionBackend:
-        heads, kv_heads, head_dim = self.num_local_heads, self.num_local_kv_heads, self.config.head_dim
-        if self.attention_backend == "triton":
-            from pdserve.model.triton_backend import TritonAttention  # imports triton: only when chosen
-            return TritonAttention(kv_pool, heads, kv_heads, head_dim)
-        return TorchNativeAttention(kv_pool, heads, kv_heads, head_dim, self.decode_mirror)
+        """The backend --attention-backend names (imported only now: triton's kernels
+        import triton)."""
+        return create_backend(self.attention_backend, kv_pool, self.num_local_heads, self.num_local_kv_heads,
+                              self.config.head_dim, mirror=self.decode_mirror)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardInput) -> torch.Tensor:

@@ -8,6 +8,8 @@ where every token's KV goes.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +17,7 @@ from torch import nn
 from pdserve.model.attention import AttentionBackend, ForwardContext
 from pdserve.model.layers import (ColumnParallelLinear, Embedding, LMHead, QKVParallelLinear, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear)
-from pdserve.model.model_config import ModelConfig
+from pdserve.model.model_config import ModelConfig, MoeFail, MoeLayout
 from pdserve.model.moe import SparseMoeBlock
 from pdserve.model.parallel import TPGroup
 
@@ -114,11 +116,35 @@ STACKED_PARAMS = (
 
 
 class CausalLM(nn.Module):
-    """A decoder plus its output head. Subclasses are the architectures."""
+    """A decoder plus its output head. Subclasses are the architectures, registered by
+    Hugging Face name in pdserve/model/registry.py. Their class attributes say how
+    ModelConfig.from_hf reads their config.json, as their transformers class does
+    (the defaults are Llama's)."""
 
     stacked_params = STACKED_PARAMS
     # Checkpoint tensors that carry no weights we need.
     ignored_suffixes = ("rotary_emb.inv_freq",)
+    # The q/k/v (and o) projections' biases follow ``attention_bias``; False: the key is ignored.
+    reads_attention_bias: ClassVar[bool] = True
+    # q/k/v carry biases whatever ``attention_bias`` says.
+    qkv_bias: ClassVar[bool] = False
+    # o_proj carries a bias when ``attention_bias`` says so (False: never).
+    o_proj_follows_attention_bias: ClassVar[bool] = True
+    # An RMSNorm over each q and k head before RoPE (weights self_attn.q_norm / k_norm).
+    qk_norm: ClassVar[bool] = False
+    # The key that must be true for ``sliding_window`` to apply (None: a window set applies).
+    sliding_window_switch: ClassVar[str | None] = None
+    # Sparse MoE feed-forwards, read by ``moe_layout``.
+    is_moe: ClassVar[bool] = False
+    # SGLang's default speculative shape for this target (num_steps, eagle_topk, num_draft_tokens).
+    speculative_defaults: ClassVar[tuple[int, int, int]] = (3, 1, 4)
+
+    @classmethod
+    def moe_layout(cls, raw: dict[str, Any], num_layers: int, fail: MoeFail) -> MoeLayout:
+        """MoE architectures (``is_moe``): (expert count, expert intermediate size,
+        norm_topk_prob, sparse layers) from config.json; ``fail(msg)`` makes the error to
+        raise. The checks shared by every MoE architecture run before (model_config)."""
+        raise NotImplementedError(f"{cls.__name__} has no MoE layers")
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()

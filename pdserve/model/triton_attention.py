@@ -33,17 +33,21 @@ Without a GPU the kernels run on CPU tensors under Triton's interpreter
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by triton when it decorates the kernels
-_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_INT_DTYPES = (torch.int32, torch.int64)
+from pdserve.model.kernel_checks import INT_DTYPES as _INT_DTYPES
+from pdserve.model.kernel_checks import KV_DTYPES as _KV_DTYPES
+from pdserve.model.kernel_checks import check as _check
+from pdserve.model.kernel_checks import check_device as _check_device
+from pdserve.model.kernel_checks import check_ints as _check_ints
+from pdserve.model.kernel_checks import check_kv as _check_kv
+from pdserve.model.kernel_checks import check_out as _check_out
+from pdserve.model.kernel_checks import check_q as _check_q
+from pdserve.model.kernel_checks import check_table as _check_table
+
 LOG2E = 1.4426950408889634
-MAX_HEAD_DIM = 256
 
 
 # --------------------------------------------------------------------------- kernels
@@ -215,63 +219,6 @@ def _extend_kernel(q, k_buf, v_buf, out, req_to_token, rows, prefix_lens, extend
 
 
 # --------------------------------------------------------------------------- launchers
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
-def _check_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    _check(all(t.device == device for t in tensors), "all tensors must be on the same device")
-    _check(device.type == "cuda" or _INTERPRET,
-           f"Triton attention needs CUDA tensors (got {device}); CPU tensors run only under "
-           "TRITON_INTERPRET=1 set before pdserve.model.triton_attention is imported")
-
-
-def _check_kv(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple[int, int]:
-    _check(k_buf.dim() == 3 and k_buf.shape == v_buf.shape,
-           f"k_buf/v_buf must both be [num_slots, num_kv_heads, head_dim], got {tuple(k_buf.shape)} "
-           f"and {tuple(v_buf.shape)}")
-    _check(k_buf.dtype in _KV_DTYPES and v_buf.dtype == k_buf.dtype,
-           f"k_buf/v_buf must share one dtype among fp32/fp16/bf16, got {k_buf.dtype} and {v_buf.dtype}")
-    _check(k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1, "k_buf/v_buf need a contiguous last dim")
-    head_dim = k_buf.shape[2]
-    _check(1 <= head_dim <= MAX_HEAD_DIM, f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
-    return k_buf.shape[1], head_dim
-
-
-def _check_q(q: torch.Tensor, num_kv_heads: int, head_dim: int, name: str = "q") -> int:
-    _check(q.dim() == 3 and q.shape[2] == head_dim,
-           f"{name} must be [N, num_heads, {head_dim}], got {tuple(q.shape)}")
-    _check(q.dtype in _KV_DTYPES, f"{name} must be fp32/fp16/bf16, got {q.dtype}")
-    _check(q.stride(-1) == 1, f"{name} needs a contiguous last dim")
-    num_heads = q.shape[1]
-    _check(num_heads >= 1 and num_heads % num_kv_heads == 0,
-           f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    return num_heads
-
-
-def _check_ints(batch: int, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        _check(t.dim() == 1 and t.shape[0] == batch and t.dtype in _INT_DTYPES and t.stride(0) == 1,
-               f"{name} must be a contiguous [{batch}] int32/int64 tensor, got {tuple(t.shape)} {t.dtype} "
-               f"stride {t.stride()}")
-
-
-def _check_table(req_to_token: torch.Tensor) -> None:
-    _check(req_to_token.dim() == 2 and req_to_token.dtype in _INT_DTYPES,
-           f"req_to_token must be a 2-D int64 (or int32) tensor, got {tuple(req_to_token.shape)} {req_to_token.dtype}")
-
-
-def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    if out is None:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-    _check(out.shape == q.shape and out.dtype in _KV_DTYPES and out.device == q.device
-           and out.stride(-1) == 1,
-           f"out must be a float tensor of shape {tuple(q.shape)} on {q.device} with a contiguous last dim")
-    return out
-
 
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp16/bf16 values convert to tf32 exactly; fp32 data keeps full precision.

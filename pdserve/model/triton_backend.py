@@ -4,19 +4,22 @@ Planned once per forward from the row layout (device tensors only; the host copy
 gives the grid sizes), run once per layer. Nothing here reads the device, so a
 decode forward can be captured in a CUDA graph. On a CPU it runs only under
 Triton's interpreter (the tests' reference check against torch_native).
+
+The kernels (and so triton) are imported when the backend is built, not when this
+module is: config validation reads the class's capabilities without triton.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.model import triton_attention as kernels
-from pdserve.model.attention import ForwardContext, KVStore, RowLayout, TreeMasks
+from pdserve.model.attention_backends import BackendInfo
 from pdserve.model.device_io import upload
-
-MAX_HEAD_DIM = 256
+from pdserve.model.forward_context import ForwardContext, KVStore, RowLayout, TreeMasks
+from pdserve.model.kernel_checks import MAX_HEAD_DIM  # (no triton imported: the backend's checks read it)
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,28 @@ class TreeRound:
     prefix_lens: torch.Tensor
 
 
-class TritonAttention:
+class TritonAttention(BackendInfo):
     name = "triton"
+    devices = ("cuda",)
+    auto_priority = 10  # auto's choice wherever it runs
+    requires_package = "triton"
+    supports_cuda_graphs = True
+    supports_draft_tree = True
+
+    @classmethod
+    def device_refusal(cls, device_type: str) -> str | None:
+        if device_type in cls.devices or os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        return ("triton needs a CUDA device (on a CPU it runs only under Triton's interpreter, "
+                "TRITON_INTERPRET=1, which the tests use); use torch_native")
 
     def __init__(self, kv_pool: KVStore, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         if head_dim > MAX_HEAD_DIM:
             raise ValueError(f"--attention-backend triton supports head_dim <= {MAX_HEAD_DIM}, "
                              f"the model has {head_dim}")
+        from pdserve.model import triton_attention  # imports triton (TRITON_INTERPRET is read then)
+
+        self.kernels = triton_attention
         self.pool = kv_pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -82,7 +100,7 @@ class TritonAttention:
              tree_masks: TreeMasks | None) -> DecodePlan | ExtendPlan:
         if is_decode:
             return DecodePlan(req_to_token, layout.rows, layout.prefix_lens + 1,
-                              kernels.choose_num_splits(layout.batch_size, self.num_kv_heads))
+                              self.kernels.choose_num_splits(layout.batch_size, self.num_kv_heads))
         ext = layout.extend_lens
         custom = starts = None
         if isinstance(tree_masks, torch.Tensor):  # [B, q, q]: every row adds q tokens
@@ -119,7 +137,7 @@ class TritonAttention:
         b, k, i = branch_slots.shape
         plan = TreeStepPlan(tree_round.req_to_token, tree_round.rows.repeat_interleave(k),
                             tree_round.prefix_lens.repeat_interleave(k), branch_slots.reshape(b * k, i),
-                            kernels.choose_num_splits(b * k, self.num_kv_heads))
+                            self.kernels.choose_num_splits(b * k, self.num_kv_heads))
         return ForwardContext(positions, branch_slots[:, :, -1].reshape(-1), b * k, True, plan=plan)
 
     def _tree_step(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -127,36 +145,38 @@ class TritonAttention:
         """The prefix part from the paged decode kernel's per-split partials, the branch
         part (i keys per query) in torch, merged by their log-sum-exps: each branch reads
         its request's prefix where it lies, nothing is gathered or copied."""
-        ws_out, ws_lse = kernels.decode_partials(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.prefix_lens,
-                                                 self.scale, plan.num_splits)
+        kn = self.kernels
+        ws_out, ws_lse = kn.decode_partials(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.prefix_lens,
+                                            self.scale, plan.num_splits)
         r, i = plan.branch_slots.shape
         hkv, d = self.num_kv_heads, self.head_dim
         keys = k_buf[plan.branch_slots].float()                              # [R, i, Hkv, D]
         values = v_buf[plan.branch_slots].float()
         qg = q.float().view(r, hkv, self.num_heads // hkv, d)               # query head h reads KV head h // group
-        scores = torch.einsum("rhgd,rihd->rhgi", qg, keys) * (self.scale * kernels.LOG2E)
+        scores = torch.einsum("rhgd,rihd->rhgi", qg, keys) * (self.scale * kn.LOG2E)
         top = scores.amax(dim=-1, keepdim=True)
         weights = torch.exp2(scores - top)
         total = weights.sum(dim=-1, keepdim=True)
         branch_out = torch.einsum("rhgi,rihd->rhgd", weights / total, values).reshape(r, self.num_heads, 1, d)
         branch_lse = (top + torch.log2(total)).reshape(r, self.num_heads, 1)
-        out = kernels.merge_partials(torch.cat([ws_out, branch_out], dim=2), torch.cat([ws_lse, branch_lse], dim=2))
+        out = kn.merge_partials(torch.cat([ws_out, branch_out], dim=2), torch.cat([ws_lse, branch_lse], dim=2))
         return out.to(q.dtype)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq*D]."""
+        kn = self.kernels
         k_buf, v_buf = self.pool.layer_buffers(layer)
-        kernels.store_kv(k_buf, v_buf, ctx.out_cache_loc, k, v)
+        kn.store_kv(k_buf, v_buf, ctx.out_cache_loc, k, v)
         plan = ctx.plan
         if isinstance(plan, TreeStepPlan):
             out = self._tree_step(q, k_buf, v_buf, plan)
         elif isinstance(plan, DecodePlan):
-            out = kernels.decode_attention(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.seq_lens, self.scale,
-                                           plan.num_splits)
+            out = kn.decode_attention(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.seq_lens, self.scale,
+                                      plan.num_splits)
         else:
             assert isinstance(plan, ExtendPlan), "context() plans every forward"
-            out = kernels.extend_attention(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.prefix_lens, plan.extend_lens,
-                                           plan.q_starts, plan.max_extend, self.scale, plan.custom_mask,
-                                           plan.mask_starts)
+            out = kn.extend_attention(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.prefix_lens,
+                                      plan.extend_lens, plan.q_starts, plan.max_extend, self.scale, plan.custom_mask,
+                                      plan.mask_starts)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2) from None
     from pdserve.logs import quiet_uvicorn
     from pdserve.router.app import create_app
-    from pdserve.server.http_front import MAX_HEADER_BYTES, protocol_class
+    from pdserve.server.http_connection import MAX_HEADER_BYTES, protocol_class
 
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Slow, idle or oversized clients are cut off before they reach the app, as on the servers.

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
+from pdserve.router.policies import POLICY_NAMES
 from pdserve.router.urls import UrlError, canonical_url, is_own_address
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # the servers' --disaggregation-bootstrap-port default
-POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
+POLICIES = POLICY_NAMES  # the --policy choices: the registry's names (policies.POLICY_CLASSES)
 ROLES = ("prefill", "decode", "plain")
 # The pod annotation a prefill pod names its bootstrap port in (absent: DEFAULT_BOOTSTRAP_PORT).
 DEFAULT_BOOTSTRAP_PORT_ANNOTATION = "pdserve/bootstrap-port"

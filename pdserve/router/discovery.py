@@ -36,7 +36,7 @@ from pdserve.router.urls import UrlError, canonical_url
 from pdserve.router.workers import DuplicateWorker, RefusedWorker
 
 if TYPE_CHECKING:
-    from pdserve.router.app import Router
+    from pdserve.router.core import Router
 
 logger = logging.getLogger(__name__)
 

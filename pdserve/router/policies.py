@@ -3,13 +3,22 @@
 A policy sees only the healthy candidates and the router's own view of their load
 (`in_flight`: requests the router has sent and not yet seen answered), never the
 workers themselves: picking must be cheap and must not wait on the network.
+
+Policies are chosen by name from `POLICY_CLASSES` (the registry at the end of this
+module): the router's --policy / --prefill-policy / --decode-policy choices and their
+validation come from it, and `make_policy` builds one. Each class declares what it
+needs: `needs_key` (the router extracts the request's text or token ids only when a
+policy in use routes on them) and `from_options` (which of the router's policy options,
+`PolicyOptions`, it takes). Adding a policy is one class here and one entry in
+`POLICY_CLASSES`.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, Sequence
 
 from pdserve.router.prefix_tree import PrefixTree, Seq
 
@@ -19,8 +28,18 @@ class Candidate(Protocol):
     in_flight: int
 
 
+@dataclass(frozen=True)
+class PolicyOptions:
+    """The router's policy options (its flags); each policy class takes what it needs."""
+    threshold: float = 0.5              # --cache-threshold
+    balance_abs_threshold: int = 32     # --balance-abs-threshold
+    max_tree_size: int = 1 << 22        # --max-tree-size
+    rng: random.Random | None = None    # tests inject a seeded one
+
+
 class Policy(Protocol):
     name: str
+    needs_key: bool  # whether `pick` routes on the request's text or token ids
 
     def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
         """`candidates` is non-empty; `key` is the request's text or token ids (or None)."""
@@ -32,7 +51,14 @@ class Policy(Protocol):
 
 
 class _Stateless:
-    """A policy that keeps nothing per worker: removing one changes nothing."""
+    """A policy that keeps nothing per worker: removing one changes nothing. It does not
+    look at the request, and takes no options but the random source."""
+
+    needs_key: ClassVar[bool] = False
+
+    @classmethod
+    def from_options(cls, opts: PolicyOptions) -> Policy:
+        return cls()  # type: ignore[return-value]
 
     def remove_worker(self, url: str) -> None:
         return None
@@ -54,6 +80,10 @@ class RandomPolicy(_Stateless):
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
+    @classmethod
+    def from_options(cls, opts: PolicyOptions) -> Policy:
+        return cls(opts.rng)
+
     def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
         return self._rng.choice(candidates)
 
@@ -65,6 +95,10 @@ class PowerOfTwo(_Stateless):
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
+
+    @classmethod
+    def from_options(cls, opts: PolicyOptions) -> Policy:
+        return cls(opts.rng)
 
     def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
         if len(candidates) == 1:
@@ -86,6 +120,7 @@ class CacheAware:
     a conversation's next turn, whose prompt extends the last one's, goes back to the
     decode server that holds it and is sent only the pages it lacks."""
     name = "cache_aware"
+    needs_key: ClassVar[bool] = True
 
     def __init__(self, threshold: float = 0.5, balance_abs_threshold: int = 32,
                  max_tree_size: int = 1 << 22) -> None:
@@ -93,6 +128,10 @@ class CacheAware:
         self.balance_abs_threshold = balance_abs_threshold
         self.tree = PrefixTree(max_tree_size)
         self._new_prefixes: dict[str, int] = {}  # worker -> prefixes it got without affinity
+
+    @classmethod
+    def from_options(cls, opts: PolicyOptions) -> Policy:
+        return cls(opts.threshold, opts.balance_abs_threshold, opts.max_tree_size)
 
     def pick(self, candidates: Sequence[Candidate], key: Seq | None = None) -> Candidate:
         least = self._least_loaded(candidates)
@@ -121,14 +160,28 @@ class CacheAware:
         return min(candidates, key=lambda c: (c.in_flight, self._new_prefixes.get(c.url, 0)))
 
 
+# ---- the registry -------------------------------------------------------------------------
+# name -> class. A new policy: its class above (name, needs_key, from_options, pick,
+# remove_worker) and one line here.
+POLICY_CLASSES: dict[str, type] = {cls.name: cls for cls in (
+    RoundRobin,
+    RandomPolicy,
+    PowerOfTwo,
+    CacheAware,
+)}
+POLICY_NAMES: tuple[str, ...] = tuple(POLICY_CLASSES)  # the flags' choices, in this order
+
+
+def policy_class(name: str) -> type:
+    """The class registered as `name`; ValueError listing the known names otherwise."""
+    try:
+        return POLICY_CLASSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICY_CLASSES)})") from None
+
+
 def make_policy(name: str, *, threshold: float = 0.5, balance_abs_threshold: int = 32,
                 max_tree_size: int = 1 << 22, rng: random.Random | None = None) -> Policy:
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "random":
-        return RandomPolicy(rng)
-    if name == "power_of_two":
-        return PowerOfTwo(rng)
-    if name == "cache_aware":
-        return CacheAware(threshold, balance_abs_threshold, max_tree_size)
-    raise ValueError(f"unknown policy {name!r}")
+    """A fresh policy `name`, given the options it declares it takes (`from_options`)."""
+    opts = PolicyOptions(threshold, balance_abs_threshold, max_tree_size, rng)
+    return policy_class(name).from_options(opts)

@@ -15,7 +15,7 @@ from pdserve.model.runner import ForwardInput
 from pdserve.model.sampler import (Penalties, PenaltyRows, SampleOutput, SamplingInfo, make_sampling_info,
                                    row_key, sample)
 from pdserve.scheduler.grammar import new_bitmask
-from pdserve.scheduler.req import Req
+from pdserve.scheduler.req import FinishReason, Req
 
 
 class Drawable(Protocol):
@@ -49,7 +49,17 @@ class ScheduledBatch:
     sampling_reqs: list[Req] = field(default_factory=list)
     sampling_rows: list[int] = field(default_factory=list)
     tree: Any = None            # verify: the draft tree (speculative.eagle_worker.DraftTree)
-    round_pages: list[list[int]] = field(default_factory=list)  # verify: the pages each row's round took
+
+
+@dataclass
+class Gain:
+    """What a step gave one request, as the phase that ran it reports it: its new tokens
+    are appended to it already; only the scheduler acts on ``stop`` (finishing it, or
+    keeping it in the running batch)."""
+    req: Req
+    stop: FinishReason | None
+    joining: bool = False   # its first token since a prefill: it joins the running batch
+    drew: bool = True       # False: it ended without a token (a scored prompt, max_new_tokens 0)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The one owner of a scheduler rank's KV bookkeeping.
+"""The one owner of a scheduler rank's KV bookkeeping (how large its pools are is
+``memory_budget``'s question).
 
 It holds the page allocator, the request table (row -> position -> slot), the
 target KV pool and the prefix cache, and is the only code that moves pages
@@ -15,6 +16,7 @@ prefix is additionally held by its radix node.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,7 +24,6 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.model.attention import RowLayout
 from pdserve.model.device_io import upload
-from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.memory import PageAllocator, ReqToTokenPool, TokenToKVPool
 from pdserve.scheduler.radix_cache import ChunkCache, PrefixMatch, RadixCache
@@ -41,100 +42,50 @@ class SlotFollower(Protocol):
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
 
-class MemoryBudgetError(ValueError):
-    """The device memory a server may hold cannot hold its KV pool."""
+@dataclass(frozen=True)
+class PoolGeometry:
+    """What a rank's KV bookkeeping is sized by: nothing of the model runner is needed
+    to build it (the runner binds the pools it gets afterwards)."""
+    num_pages: int          # the padding page included
+    page_size: int
+    num_layers: int
+    num_kv_heads: int       # this rank's
+    head_dim: int
+    kv_dtype: torch.dtype
+    device: torch.device
+    max_running_requests: int
+    max_positions: int      # the context length plus the decode strategy's lookahead
+    radix_cache: bool = True
 
-
-# Below this much device memory left free beside the static pools, activations and
-# CUDA graphs are likely to run out: said in the log, not refused.
-MIN_HEADROOM_BYTES = 1 << 30
-
-
-def device_kv_budget(free: int, total: int, held: int, fraction: float, cached: int = 0) -> int:
-    """Bytes for the KV pools of a server on a device of ``total`` bytes, ``free`` of
-    them free now, ``held`` already taken by this process (weights, buffers), ``cached``
-    reserved by this process's caching allocator but unallocated (tensors freed since, a
-    shut-down engine's pools): the driver counts those as used, yet this process can
-    allocate them, so they count as free.
-
-    ``--mem-fraction-static`` is the share of the whole device the server's static
-    memory (weights + KV pools) may take, as in SGLang, so servers sharing one GPU
-    (a prefill and a decode server, 0.4 each) get what they ask whichever starts
-    first. Refused when the share is smaller than the weights or larger than what is
-    free now (another process holds the rest)."""
-    gib = 2 ** 30
-    free += cached
-    budget = int(total * fraction) - held
-    if budget <= 0:
-        raise MemoryBudgetError(
-            f"--mem-fraction-static {fraction} allows {total * fraction / gib:.2f} GiB of the device's "
-            f"{total / gib:.2f} GiB, but the weights and buffers already take {held / gib:.2f} GiB: no room "
-            "for the KV cache; raise --mem-fraction-static")
-    if budget > free:
-        raise MemoryBudgetError(
-            f"--mem-fraction-static {fraction} asks for {budget / gib:.2f} GiB of KV cache but only "
-            f"{free / gib:.2f} GiB of the device's {total / gib:.2f} GiB are free (another process holds "
-            f"{(total - free - held) / gib:.2f} GiB); lower --mem-fraction-static (servers sharing a GPU: "
-            "fractions that add up to at most about 0.9)")
-    if free - budget < MIN_HEADROOM_BYTES:
-        logger.warning("--mem-fraction-static %.3f leaves %.2f GiB of device memory for activations and CUDA "
-                       "graphs", fraction, (free - budget) / gib)
-    return budget
-
-
-def cached_bytes(device: torch.device) -> int:
-    """Memory of a CUDA device this process's caching allocator holds reserved but
-    unallocated: busy to the driver (``mem_get_info``), free to this process."""
-    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
-def device_free_bytes(device: torch.device) -> int | None:
-    """Memory of a CUDA device this process can allocate now, the allocator's unused
-    reservations included (None for the CPU, whose budget is a flag)."""
-    return torch.cuda.mem_get_info(device)[0] + cached_bytes(device) if device.type == "cuda" else None
-
-
-def size_kv_pages(args: ServerArgs, runner: ModelRunner, tp: TPGroup, slot_followers_bytes: int = 0) -> int:
-    """Pages of the KV pool, the padding page included (every TP rank gets the same).
-    ``slot_followers_bytes``: what every slot also costs in pools indexed like it (a
-    draft's KV and target features), so the memory budget covers them too."""
-    cfg = runner.config
-    per_token = TokenToKVPool.bytes_per_token(cfg.num_layers, runner.num_local_kv_heads, cfg.head_dim,
-                                              runner.kv_dtype) + slot_followers_bytes
-    if args.max_total_tokens is not None:
-        tokens = args.max_total_tokens
-    else:
-        if runner.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(runner.device)
-            budget = device_kv_budget(free, total, torch.cuda.memory_allocated(runner.device),
-                                      args.mem_fraction_static, cached_bytes(runner.device))
-        else:
-            budget = args.cpu_kv_budget_gb * (1 << 30) * args.mem_fraction_static
-        # No point holding more than every request slot filled to the context.
-        tokens = min(int(budget // per_token), args.max_running_requests * runner.context_len)
-    pages = tokens // args.page_size
-    if tp.enabled:  # ranks must agree on the pool size: the smallest fits every rank
-        pages = int(tp.all_reduce_min(torch.tensor([pages]))[0])
-    logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", pages, args.page_size,
-                pages * args.page_size * per_token / 2**20)
-    return pages + 1  # + the padding page
+    @staticmethod
+    def of(args: ServerArgs, runner: ModelRunner, num_pages: int, lookahead: int) -> "PoolGeometry":
+        # A speculative round's tree may reach past the context end; those positions
+        # are never committed (a request finishes at the context length).
+        cfg = runner.config
+        return PoolGeometry(num_pages, args.page_size, cfg.num_layers, runner.num_local_kv_heads, cfg.head_dim,
+                            runner.kv_dtype, runner.device, args.max_running_requests,
+                            runner.context_len + lookahead, radix_cache=not args.disable_radix_cache)
 
 
 class KVManager:
-    def __init__(self, args: ServerArgs, runner: ModelRunner, num_pages: int, decode_room: int) -> None:
-        cfg = runner.config
-        self.device = runner.device
-        self.page_size = args.page_size
-        self.allocator = PageAllocator(num_pages, self.page_size)
-        self.num_slots = num_pages * self.page_size
-        self.kv_pool = TokenToKVPool("target", cfg.num_layers, self.num_slots, runner.num_local_kv_heads,
-                                     cfg.head_dim, runner.kv_dtype, self.device)
-        # A speculative round's tree may reach past the context end; those positions
-        # are never committed (a request finishes at the context length).
-        self.req_table = ReqToTokenPool(args.max_running_requests, runner.context_len + decode_room, self.device)
+    def __init__(self, geometry: PoolGeometry) -> None:
+        g = geometry
+        self.device = g.device
+        self.page_size = g.page_size
+        self.allocator = PageAllocator(g.num_pages, g.page_size)
+        self.num_slots = g.num_pages * g.page_size
+        self.kv_pool = TokenToKVPool("target", g.num_layers, self.num_slots, g.num_kv_heads, g.head_dim,
+                                     g.kv_dtype, g.device)
+        self.req_table = ReqToTokenPool(g.max_running_requests, g.max_positions, g.device)
         self.cache: RadixCache | ChunkCache = (
-            ChunkCache(self.allocator) if args.disable_radix_cache else RadixCache(self.allocator))
+            RadixCache(self.allocator) if g.radix_cache else ChunkCache(self.allocator))
         self.followers: list[SlotFollower] = []
+        # Open speculative rounds by table row: (kv_len when it opened, its new page ids).
+        self._rounds: dict[int, tuple[int, list[int]]] = {}
+
+    def bind(self, runner: ModelRunner) -> None:
+        """Give the runner the pools its forwards read and write (it builds its attention
+        backend and captures its CUDA graphs over them)."""
         runner.bind_memory(self.kv_pool, self.req_table.table, self.num_slots, self.req_table.padding_row)
 
     # ---- capacity -----------------------------------------------------------------
@@ -201,12 +152,32 @@ class KVManager:
         returns the new pages' ids."""
         return self.assign_many([req], [start], [end])[0]
 
-    def grow_rounds(self, reqs: list[Req], room: int) -> list[list[int]]:
-        """Positions [kv_len, kv_len + room) of every request get slots (a speculative
-        round: its tree and draft scratch); each request's new page ids (what
-        ``trim_rounds`` gives back)."""
+    def open_rounds(self, reqs: list[Req], lookahead: int) -> list[list[int]]:
+        """Positions [kv_len, kv_len + lookahead) of every request get slots (a speculative
+        round: its tree and draft scratch). The round stays open, its new pages on
+        record, until ``close_rounds`` keeps what the request's length then needs, or
+        ``release`` ends the request: no path out of a round leaks its pages. Returns
+        each request's new page ids."""
         starts = [r.kv_len for r in reqs]
-        return self.assign_many(reqs, starts, [n + room for n in starts])
+        new_pages = self.assign_many(reqs, starts, [n + lookahead for n in starts])
+        for req, start, pages in zip(reqs, starts, new_pages):
+            assert req.row is not None and req.row not in self._rounds, "a round is already open"
+            self._rounds[req.row] = (start, pages)
+        return new_pages
+
+    def close_rounds(self, reqs: list[Req]) -> None:
+        """Give back each request's round pages past its ``kv_len`` now (the host's
+        ids: no device read), in one release."""
+        ps = self.page_size
+        drop: list[int] = []
+        for req in reqs:
+            if req.row is None or req.row not in self._rounds:
+                continue
+            start, pages = self._rounds.pop(req.row)
+            keep = max(0, pages_for(req.kv_len, ps) - pages_for(start, ps))
+            drop += pages[keep:]
+        if drop:
+            self.allocator.release(torch.tensor(drop, dtype=torch.int64))
 
     def assign_many(self, reqs: list[Req], starts: list[int], ends: list[int]) -> list[list[int]]:
         """Give each request's positions [start, end) KV slots, continuing its last page
@@ -242,17 +213,6 @@ class KVManager:
         following = table[row, last.clamp(min=0)] + (pos - last)
         table[row, pos] = torch.where(pos >= first_new, page * ps + pos % ps, following)
         return new_pages
-
-    def trim_rounds(self, reqs: list[Req], starts: list[int], new_pages: list[list[int]]) -> None:
-        """After a round, give back each request's new pages past its kept ``kv_len`` (the
-        host's ids: no device read), in one release."""
-        ps = self.page_size
-        drop: list[int] = []
-        for req, start, pages in zip(reqs, starts, new_pages):
-            keep = max(0, pages_for(req.kv_len, ps) - pages_for(start, ps))
-            drop += pages[keep:]
-        if drop:
-            self.allocator.release(torch.tensor(drop, dtype=torch.int64))
 
     def reserve(self, req: Req, length: int, prefix: PrefixMatch | None = None) -> list[int]:
         """A row, the cached ``prefix`` (locked by ``match``; none: nothing cached) and
@@ -342,6 +302,7 @@ class KVManager:
                 child.row = None
         if req.row is None:
             return
+        self.close_rounds([req])  # a round it was in: the pages past its length
         if req.kv_len:
             slots = self.req_table.table[req.row, :req.kv_len].cpu()
             if cache_kv:

@@ -1,23 +1,30 @@
-"""Continuous batching over one model runner: the step skeleton every mode shares.
+"""Continuous batching over one model runner: the step skeleton every mode shares,
+and the wiring of its parts.
 
 A step has fixed, named phases, in this order:
 
     poll_external  what happened outside the model since the last step (transfers:
                    decode commits arrived KV, prefill learns where KV goes)
-    plan_batch     admit waiting requests into a prefill batch (chunked when long);
-                   otherwise, when this mode decodes, the decode strategy plans one
-                   step for every running request (plain: one token; EAGLE: a tree)
+    plan_batch     the prefill planner admits waiting requests into a prefill batch
+                   (chunked when long); otherwise, when this mode decodes, the decode
+                   strategy plans one step for every running request (plain: one
+                   token; EAGLE: a tree, its draft forwards run here)
     forward        one target forward (storing draft features when something reads them)
-    process        draw tokens and settle each request that drew one (finish or run on)
+    process        the planner or the strategy draws tokens and returns what each
+                   request gained; the scheduler settles each (finish or run on)
     commit         what the mode does with the step's results (prefill: send the new
                    KV and hand off first tokens)
 
-Admission (``plan_batch``'s prefill batch and drawing first tokens) lives in the
-``Admission`` mixin (``admission.py``). Colocated, prefill and decode schedulers fill hooks (``poll_external``,
-``may_decode``, ``settle``, ``commit``); none overrides ``step``. KV is owned by
-the ``KVManager``: pages are allocated just before a forward and released when a
-request finishes (its KV goes into the prefix cache), is aborted, or is retracted
-under memory pressure (it then re-queues and recomputes its KV; output unchanged).
+The parts, each given its dependencies when built here: ``RequestQueues`` (where
+requests are; finish, retract), ``PrefillPlanner`` (admission, first tokens),
+``GrowthReserve``, a decode strategy (``PlainDecoding`` / ``EagleDecoding``), the
+``StopCheck``, the ``Sampler`` and the ``KVManager`` (the only owner of KV
+bookkeeping: pages are allocated just before a forward and released when a request
+finishes, is aborted, or is retracted; a speculative round's pages are opened and
+closed by it). Only this class moves requests between queues. Every phase that acts
+on particular requests runs under the fault guard, so an error fails those requests,
+never the others. Prefill and decode schedulers fill the hooks (``poll_external``,
+``may_decode``, ``settle``, ``commit``); none overrides ``step``.
 """
 
 from __future__ import annotations
@@ -30,13 +37,17 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ForwardInput, ModelRunner
-from pdserve.scheduler.batch import Sampler, ScheduledBatch, StepOutput
-from pdserve.scheduler.decoding import PlainDecoding
-from pdserve.scheduler.admission import Admission, AdmissionTuning, too_big
-from pdserve.scheduler.faults import FaultIsolation
+from pdserve.scheduler.admission import AdmissionTuning, GrowthReserve, PrefillPlanner, too_big
+from pdserve.scheduler.batch import Gain, Sampler, ScheduledBatch, StepOutput
+from pdserve.scheduler.decoding import DecodeStrategy, PlainDecoding
+from pdserve.scheduler.faults import Guard, end_despite, internal_error
 from pdserve.scheduler.grammar import COMPILING, GrammarBackend
-from pdserve.scheduler.kv_manager import KVManager, size_kv_pages
-from pdserve.scheduler.req import FinishKind, FinishReason, Req, stop_reason
+from pdserve.scheduler.kv_manager import KVManager, PoolGeometry
+from pdserve.scheduler.memory_budget import size_kv_pages
+from pdserve.scheduler.mode import Mode
+from pdserve.scheduler.queues import RequestQueues
+from pdserve.scheduler.req import FinishKind, FinishReason, Req
+from pdserve.scheduler.stopping import StopCheck
 from pdserve.speculative.decoding import EagleDecoding
 from pdserve.speculative.eagle_worker import EagleWorker
 
@@ -45,63 +56,76 @@ logger = logging.getLogger(__name__)
 __all__ = ["AdmissionTuning", "Scheduler", "StepOutput", "too_big"]
 
 
-class Scheduler(FaultIsolation, Admission):
-    decodes = True  # a prefill server never decodes: no decode steps, no draft state, no growth to reserve
-
+class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
-                 tp: TPGroup = TPGroup(), tuning: AdmissionTuning = AdmissionTuning()) -> None:
+                 tp: TPGroup = TPGroup(), tuning: AdmissionTuning = AdmissionTuning(), decodes: bool = True) -> None:
         self.args = args
+        # A prefill server never decodes: no decode steps, no draft state, no growth to reserve.
+        self.decodes = decodes
         self.runner = runner
         self.tp = tp
-        self.tuning = tuning
-        self.decode_text = decode_text
         self.device = runner.device
         self.page_size = args.page_size
         self.context_len = runner.context_len
         self.eos_ids = runner.config.eos_token_ids
         self.vocab_size = runner.config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_ids, self.device, tp)
+        self.stop_reason = StopCheck(self.eos_ids, self.context_len, decode_text)
         num_pages = size_kv_pages(args, runner, tp, EagleWorker.bytes_per_slot(args, runner)
                                   if args.speculative_algorithm is not None else 0)
         self.spec: EagleWorker | None = None
-        self.decoding: PlainDecoding | EagleDecoding
+        self.decoding: DecodeStrategy
         if args.speculative_algorithm is not None:
             self.spec = EagleWorker(args, runner, num_pages * self.page_size)
-        self.kv = KVManager(args, runner, num_pages, self.spec.room if self.spec is not None else 1)
+        self.kv = KVManager(PoolGeometry.of(args, runner, num_pages, self.spec.lookahead if self.spec else 1))
+        self.kv.bind(runner)  # builds the attention backend, captures the decode graphs
         if self.spec is not None:
             self.spec.bind(self.kv.req_table.table)
             if args.use_cuda_graph():
                 self.spec.enable_graphs(self.kv.req_table.padding_row, args.cuda_graph_max_bs, capture=True)
             self.kv.followers.append(self.spec)  # the draft features move with the target KV
-            self.decoding = EagleDecoding(self, self.spec)
+            self.decoding = EagleDecoding(self.kv, self.sampler, self.spec, self.stop_reason)
         else:
-            self.decoding = PlainDecoding(self)
+            self.decoding = PlainDecoding(self.kv, self.sampler, self.stop_reason)
+        self.queues = RequestQueues(self.kv)
+        # The serving mode's hooks (colocated: none); a PD builder composes its side in.
+        self.mode: Mode = Mode(self.queues)
+        self.growth = GrowthReserve(tuning, self.page_size, self.decodes,
+                                    self.decoding.lookahead if self.spec is not None else 0)
+        self.planner = PrefillPlanner(args, self.kv, self.sampler, self.growth, self.stop_reason,
+                                      fork_own_last_position=self.spec is not None)
         # (layers, pool): where every target forward stores each new token's draft
         # feature by KV slot; a plain prefill server sets it when a speculative decode
         # peer asks for features.
         self.feature_sink: tuple[tuple[int, ...], torch.Tensor] | None = (
             (self.spec.capture_layers, self.spec.features) if self.spec is not None else None)
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked: Req | None = None
-        self.ending: list[Req] = []  # ended on arrival (nothing to compute): reported by the next step
-        self.new_token_ratio = tuning.init_new_token_ratio
-        self.num_retractions = 0
         self.num_forward_steps = 0
-        self.prompt_tokens_seen = 0   # prompt tokens of admitted requests
-        self.cached_tokens_seen = 0   # of which served from the prefix cache
-        # Tokens prefill forwards computed (not served from the cache): the prompts, once
-        # per request however many samples it has, and retracted requests' recomputed KV.
-        self.prefill_tokens_computed = 0
         # Compiles the grammars of constrained requests; set by the builder, which
         # holds the tokenizer (None: constrained requests are refused).
         # Its deadline and cache bound are this server's --grammar-* flags.
         self.grammars: GrammarBackend | None = None
 
+    # The queues, as the PD schedulers and inspection read them.
+    @property
+    def waiting(self) -> list[Req]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Req]:
+        return self.queues.running
+
+    @property
+    def chunked(self) -> Req | None:
+        return self.queues.chunked
+
+    @chunked.setter
+    def chunked(self, req: Req | None) -> None:
+        self.queues.chunked = req
+
     # ---- requests ---------------------------------------------------------------
     def add(self, req: Req) -> None:
         self.constrain(req)
-        self.waiting.append(req)
+        self.mode.add(req)
 
     def constrain(self, req: Req) -> None:
         """Start compiling the grammar of a constrained request; each sample gets its own
@@ -131,53 +155,56 @@ class Scheduler(FaultIsolation, Admission):
 
     def abort(self, rid: str, message: str = "aborted by the client") -> list[Req]:
         """Abort every sample of `rid`; returns the requests that were finished."""
-        out: list[Req] = []
-        reason = FinishReason(FinishKind.ABORT, message=message)
-        for req in [r for r in self.waiting if r.rid == rid]:
-            self.waiting.remove(req)
-            out += self.finish(req, reason)
-        for req in [r for r in self.running if r.rid == rid]:
-            self.running.remove(req)
-            out += self.finish(req, reason)
-        if self.chunked is not None and self.chunked.rid == rid:
-            req, self.chunked = self.chunked, None
-            out += self.finish(req, reason)
-        return out
+        return self.mode.abort(rid, FinishReason(FinishKind.ABORT, message=message))
+
+    def finish(self, req: Req, reason: FinishReason) -> list[Req]:
+        """End ``req`` (and its never-forked samples) and give back what it holds."""
+        return self.queues.finish(req, reason)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.ending)
+        return self.queues.has_work or self.mode.has_work
 
     # ---- the step ---------------------------------------------------------------
     def step(self) -> StepOutput:
-        out = StepOutput(finished=self.ending)
-        self.ending = []
-        self.poll_external(out)
+        out = StepOutput(finished=self.queues.ending)
+        self.queues.ending = []
+        self.mode.poll_external(out)
         batch = self.plan_batch(out)
         if batch is not None:
             self.num_forward_steps += 1
             with self.guarded(lambda: batch.reqs + batch.sampling_reqs, out, f"{batch.mode} step"):
                 logits = self.forward(batch.forward)
                 self.process(batch, logits, out)
-        self.commit(batch, out)
+        self.mode.commit(batch, out)
         return out
-
-    def poll_external(self, out: StepOutput) -> None:
-        """Hook: take in what changed outside the model (nothing, colocated)."""
-
-    def may_decode(self) -> bool:
-        """Hook: whether this step may run the decode strategy (decode servers hold it
-        for one step to publish first tokens)."""
-        return True
-
-    def commit(self, batch: ScheduledBatch | None, out: StepOutput) -> None:
-        """Hook: act on the step's results (nothing more, colocated)."""
 
     def plan_batch(self, out: StepOutput) -> ScheduledBatch | None:
         batch = self.admit(out)
-        if batch is None and self.running and self.decodes and self.may_decode():
-            batch = self.decoding.plan(out)
+        if batch is None and self.running and self.decodes and self.mode.may_decode():
+            self.make_lookahead_room(out)
+            reqs = list(self.running)
+            if reqs:
+                with self.guarded(reqs, out, "planning the decode step"):
+                    batch = self.decoding.plan(reqs)
         return batch
+
+    def admit(self, out: StepOutput) -> ScheduledBatch | None:
+        """Plan a prefill batch and apply what the planner decided to the queues."""
+        queues = self.queues
+        if not queues.waiting and queues.chunked is None:
+            return None
+        self.settle_grammars(queues.waiting)  # (the same on every TP rank: admission acts on it)
+        admission = self.planner.plan(queues.waiting, queues.chunked, queues.running)
+        for req in admission.admitted:
+            queues.waiting.remove(req)
+        queues.chunked = admission.chunked
+        for req, reason in admission.refused:
+            queues.waiting.remove(req)
+            out.finished += self.finish(req, reason)
+        for req, exc in admission.failed:
+            out.finished += self.fail_request(req, f"admitting the request: {exc}")
+        return admission.batch
 
     def forward(self, fwd: ForwardInput) -> torch.Tensor:
         """Run the target; store the new tokens' features when something reads them."""
@@ -191,43 +218,43 @@ class Scheduler(FaultIsolation, Admission):
 
     def process(self, batch: ScheduledBatch, logits: torch.Tensor, out: StepOutput) -> None:
         if batch.mode == "prefill":
-            self._process_prefill(batch, logits, out)
+            gains = self.planner.process(batch, logits)
         else:
-            self.decoding.process(batch, logits, out)
-            self.new_token_ratio = max(self.tuning.min_new_token_ratio,
-                                       self.new_token_ratio - self.tuning.ratio_decay)
+            gains = self.decoding.process(batch, logits)
+            self.growth.decay()
+        for gain in gains:
+            if gain.drew:
+                self.settle(gain, out)
+            else:
+                out.finished += self.finish(gain.req, gain.stop or FinishReason(FinishKind.LENGTH))
+        # Draft state for what a prefill added (and, after a cache hit or a retraction,
+        # for the whole prefix): the next token is known now.
+        if batch.mode == "prefill" and self.decodes:
+            held = {id(r): r for r in batch.reqs + batch.sampling_reqs if r.row is not None}
+            self.decoding.prefilled(list(held.values()))
 
-    def settle(self, req: Req, out: StepOutput, joining: bool) -> None:
-        """Hook: ``req`` drew a token (``joining``: its first since a prefill). It
-        finishes, or runs on in the running batch."""
+    def settle(self, gain: Gain, out: StepOutput) -> None:
+        """``gain.req`` drew a token (``gain.joining``: its first since a prefill). It
+        finishes, or runs on in the running batch; on a prefill server the token is
+        handed on instead (the mode's commit)."""
+        if not self.mode.publishes_tokens:
+            return
+        req = gain.req
         out.advanced.append(req)
-        reason = self.stop_reason(req)
-        if reason is not None:
-            if not joining:
+        if gain.stop is not None:
+            if not gain.joining:
                 self.running.remove(req)
-            out.finished += self.finish(req, reason)
-        elif joining:
+            out.finished += self.finish(req, gain.stop)
+        elif gain.joining:
             self.running.append(req)
 
-    # ---- stopping, retracting, releasing ----------------------------------------------------
-    def stop_reason(self, req: Req) -> FinishReason | None:
-        reason = stop_reason(req, self.eos_ids, self.context_len, self.decode_text)
-        grammar = req.grammar
-        if grammar is None or reason is not None and reason.kind is not FinishKind.LENGTH:
-            return reason
-        ended = grammar.advance(req.output_ids)
-        if grammar.rejected is not None:
-            return FinishReason(FinishKind.ABORT, server_error=True,
-                                message=f"internal error: token {grammar.rejected} left the output's grammar")
-        # A grammar that ended on its stop token ends the output even with ignore_eos.
-        return FinishReason(FinishKind.STOP, matched=req.output_ids[-1]) if ended and reason is None else reason
-
-    def make_decode_room(self, out: StepOutput) -> None:
+    # ---- retracting ------------------------------------------------------------------------
+    def make_lookahead_room(self, out: StepOutput) -> None:
         """Retract requests until every running request can grow by the decode
-        strategy's room (one token; a speculative round: its whole tree)."""
-        room = self.decoding.room
+        strategy's lookahead (one token; a speculative round: its whole tree)."""
+        lookahead = self.decoding.lookahead
         while self.running:
-            need = sum(self.kv.growth_pages(r, room) for r in self.running)
+            need = sum(self.kv.growth_pages(r, lookahead) for r in self.running)
             if need <= self.kv.available_pages:
                 return
             if len(self.running) == 1:
@@ -238,28 +265,40 @@ class Scheduler(FaultIsolation, Admission):
                 return
             # SGLang's choice: the request with the fewest output tokens (least work
             # lost), the longest prompt among equals.
-            victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
-            self.running.remove(victim)
-            self.kv.release(victim, cache_kv=True)
-            victim.retractions += 1
-            self.num_retractions += 1
-            self.waiting.insert(0, victim)
-            self.new_token_ratio = self.tuning.init_new_token_ratio
-            logger.info("retracted request %s (%d output tokens) to free KV", victim.rid,
-                        len(victim.output_ids))
+            self.queues.retract(min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids))))
+            self.growth.reset()
 
-    def finish(self, req: Req, reason: FinishReason) -> list[Req]:
-        """End ``req`` (and its never-forked samples) and give back what it holds."""
-        req.finish = reason
-        self.kv.release(req, cache_kv=reason.kind is not FinishKind.ABORT)
-        done = [req] + req.pending_forks
-        for child in req.pending_forks:
-            child.finish = reason
-        for r in done:
-            if r.grammar is not None:
-                r.grammar.release()  # a compile only it waited for stops (the client left, or its deadline passed)
-        req.pending_forks = []
-        return done
+    # ---- faults ---------------------------------------------------------------------------
+    def guarded(self, reqs: list[Req] | Callable[[], list[Req]], out: StepOutput, what: str) -> Guard:
+        """``with self.guarded(reqs, out, what):`` -- an exception inside fails ``reqs``
+        (each with the error; a callable is read at that moment) instead of the step."""
+        return Guard(self.fail_request, reqs if callable(reqs) else (lambda: reqs), out, what)  # type: ignore
+
+    def fail_request(self, req: Req, message: str) -> list[Req]:
+        """End one request after an internal error while handling it (wherever it is),
+        giving back what it holds as far as that still works (an open speculative round's
+        pages included): the step goes on for every other request."""
+        if req.finish is not None:
+            return []
+        ended = self.mode.fail_request(req, message)
+        if ended is not None:
+            return ended
+        self.queues.take_out(req)
+        return end_despite(req, internal_error(message), self.finish)
+
+    def live_requests(self) -> list[Req]:
+        """Every request the scheduler (and its mode) holds that has not finished."""
+        held = {id(r): r for r in self.queues.live()}
+        held.update({id(r): r for r in self.mode.live_requests() if r.finish is None})
+        return list(held.values())
+
+    def fail_all(self, message: str) -> list[Req]:
+        """The last resort after a step failed outside any request's guard: every live
+        request ends with the error (each gets its one final outcome), the server goes on."""
+        out: list[Req] = []
+        for req in self.live_requests():
+            out += self.fail_request(req, message)
+        return out
 
     # ---- inspection ---------------------------------------------------------------------
     def flush_cache(self) -> bool:
@@ -275,33 +314,37 @@ class Scheduler(FaultIsolation, Admission):
     def state(self) -> dict[str, object]:
         mem = self.memory_state()
         used = mem["kv_pages_total"] - mem["kv_pages_free"] - mem["kv_pages_evictable"]
-        return {
+        return self.mode.state({
             "memory": mem,
             "num_running_reqs": len(self.running) + (1 if self.chunked else 0),
             "num_waiting_reqs": len(self.waiting),
-            "num_retractions": self.num_retractions,
+            "num_retractions": self.queues.num_retractions,
             "num_forward_steps": self.num_forward_steps,
             "token_usage": used / max(1, mem["kv_pages_total"]),
             "num_used_tokens": used * self.page_size,
-            "cache_hit_rate": self.cached_tokens_seen / max(1, self.prompt_tokens_seen),
-            "prefill_tokens_computed": self.prefill_tokens_computed,
+            "cache_hit_rate": self.planner.cached_tokens_seen / max(1, self.planner.prompt_tokens_seen),
+            "prefill_tokens_computed": self.planner.prefill_tokens_computed,
             "context_len": self.context_len,
             "avg_spec_accept_length": self.spec.avg_accept_length if self.spec is not None else None,
             "grammar": self.grammars.stats() if self.grammars is not None else None,
-        }
+        })
 
     def memory_state(self) -> dict[str, int]:
         return self.kv.memory_state()
 
     # ---- teardown ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop what the mode runs (a PD side's threads, sockets and transfer engine)."""
+        self.mode.close()
+
     def release(self) -> None:
-        """Break the reference cycles through this scheduler (the decode strategy points
-        back at it, graph runners at their runner and worker) and stop the grammar
-        compiler, so that once its owner drops it, reference counting alone frees the
-        weights, KV pools and CUDA graphs: a garbage collection may come much later, and
-        until then another engine in this process finds the device memory taken. The
-        scheduler is unusable afterwards."""
-        del self.decoding
+        """Break the reference cycles through this scheduler (a PD side points back at
+        it, graph runners at their runner and worker) and stop the grammar compiler, so
+        that once its owner drops it, reference counting alone frees the weights, KV
+        pools and CUDA graphs: a garbage collection may come much later, and until then
+        another engine in this process finds the device memory taken. The scheduler is
+        unusable afterwards."""
+        self.mode = Mode(self.queues)
         self.runner.decode_graphs = None
         if self.spec is not None:
             self.spec.graphs = None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 import time
 import traceback
@@ -25,6 +24,7 @@ from pdserve.config import ServerArgs
 from pdserve.model.parallel import TPGroup, bind_device, init_tp_group
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.messages import Command
+from pdserve.scheduler.mode import mode_builder
 from pdserve.scheduler.req import FinishKind, FinishReason, Req, samples_from_message
 from pdserve.scheduler.scheduler import Scheduler, StepOutput
 from pdserve.scheduler.grammar import GrammarBackend, GrammarLimits
@@ -74,50 +74,10 @@ def build_scheduler(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, tp: 
     runner = ModelRunner(args, model_dir, tp)
     if args.disaggregation_mode == "null":
         sched = Scheduler(args, runner, decode_text, tp)
-    else:
-        sched = build_disagg_scheduler(args, runner, decode_text, tp)
+    else:  # a prefill or decode side composed in (pdserve/disagg/build.py)
+        sched = mode_builder(args.disaggregation_mode)(args, runner, decode_text, tp)
     sched.grammars = GrammarBackend(tokenizer, runner.config.vocab_size, runner.config.eos_token_ids,
                                     GrammarLimits.from_args(args))
-    return sched
-
-
-def build_disagg_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
-                           tp: TPGroup) -> Scheduler:
-    """A prefill or decode scheduler with its transfer engine; a prefill server's rank 0
-    also runs the bootstrap registry (on --disaggregation-bootstrap-port) and registers."""
-    from pdserve.disagg.bootstrap import BootstrapServer, fetch_ranks, reachable_host, register_rank
-    from pdserve.disagg.manager import LinkConfig
-    from pdserve.disagg.protocol import Authenticator
-    from pdserve.disagg.rooms import Deadlines
-    from pdserve.disagg.transfer import MooncakeTransfer
-    from pdserve.scheduler.decode import DecodeScheduler
-    from pdserve.scheduler.prefill import PrefillScheduler
-
-    secret = args.control_secret()
-    link = LinkConfig(
-        heartbeat_interval_s=args.disaggregation_heartbeat_interval,
-        heartbeat_misses=args.disaggregation_heartbeat_misses,
-        handshake_timeout_s=args.disaggregation_bootstrap_timeout,
-        deadlines=Deadlines(args.disaggregation_bootstrap_timeout, args.disaggregation_waiting_timeout,
-                            args.disaggregation_transfer_timeout),
-        secret=secret)
-    host = reachable_host(args.host)  # what peers dial: never a wildcard address
-    engine = MooncakeTransfer(host, args.disaggregation_ib_device or "", log_level=args.log_level)
-    if args.disaggregation_mode == "decode":
-        listing_auth = Authenticator(secret, f"decode-rank{tp.rank}") if secret is not None else None
-        return DecodeScheduler(args, runner, decode_text, engine,
-                               lambda url: fetch_ranks(url, args.disaggregation_bootstrap_timeout, listing_auth),
-                               tp, host=host, link=link)
-    sched = PrefillScheduler(args, runner, decode_text, engine, tp, host=host, link=link)
-    # The registry accepts only this server's ranks: rank 0 draws a key and shares it
-    # over the TP group (nothing outside this server ever sees it).
-    key = tp.broadcast_object(secrets.token_bytes(32) if tp.rank == 0 else None)
-    registry_auth = Authenticator(key, f"prefill-rank{tp.rank}")  # type: ignore[arg-type]
-    if tp.rank == 0:
-        sched.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, registry_auth,
-                                          Authenticator(secret, "bootstrap") if secret is not None else None)
-    register_rank(f"http://{host}:{args.disaggregation_bootstrap_port}",
-                  sched.manager.rank_info(tp.size, host), registry_auth, args.disaggregation_bootstrap_timeout)
     return sched
 
 

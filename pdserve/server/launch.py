@@ -32,7 +32,7 @@ from pdserve.server.detokenizer import run_detokenizer_process
 from pdserve.server.drain import Drain, QueueLimit
 from pdserve.server.grammar_check import GrammarChecker
 from pdserve.server.app import create_app
-from pdserve.server.http_front import MAX_HEADER_BYTES, protocol_class
+from pdserve.server.http_connection import MAX_HEADER_BYTES, protocol_class
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.scheduler_process import run_scheduler_process
 from pdserve.server.tokenizer_manager import TokenizerManager
@@ -171,7 +171,7 @@ def launch(args: ServerArgs) -> int:
 
         app = create_app(args, manager, args.served_names(), server_info)
         app.router.lifespan_context = lifespan
-        # Slow, idle or oversized clients are cut off before they reach the app (http_front).
+        # Slow, idle or oversized clients are cut off before they reach the app (http_connection).
         # timeout_graceful_shutdown: after a drain only finished responses are still being
         # written; on Ctrl-C it is what in-flight requests get.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -11,8 +11,9 @@ from pdserve.config import ServerArgs
 from pdserve.scheduler.messages import NewRequest
 from pdserve.server.http_common import bootstrap_of, client_gone, client_rids, error_body, sse
 from pdserve.server.protocol import GenerateRequest, from_value_error, refuse_unsupported
+from pdserve.server.request_state import Job
 from pdserve.server.results import SampleOutput, TokenTexts, native_result
-from pdserve.server.tokenizer_manager import Job, ServerUnavailable, TokenizerManager
+from pdserve.server.tokenizer_manager import ServerUnavailable, TokenizerManager
 
 
 def check_generate_fields(req: GenerateRequest) -> None:

@@ -21,10 +21,11 @@ from pdserve.server.openai_requests import (OpenAIRequest, chat_requests, check_
                                             check_completion_fields, completion_requests, template_call_args)
 from pdserve.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, from_value_error
 from pdserve.server.reasoning import ReasoningParser, parser_for
+from pdserve.server.request_state import Job, RequestState
 from pdserve.server.results import (TokenTexts, chat_logprobs, completion_logprobs, echo_logprobs, joined_logprobs,
                                     openai_finish, usage)
 from pdserve.server.tool_calls import ToolOutput, finish_reason, tool_plan
-from pdserve.server.tokenizer_manager import Job, RequestState, ServerUnavailable, TokenizerManager
+from pdserve.server.tokenizer_manager import ServerUnavailable, TokenizerManager
 
 # The finish message of a sample its client aborted; any other abort is the server's doing.
 CLIENT_ABORT = "aborted by the client"

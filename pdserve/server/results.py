@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from pdserve.scheduler.req import Req
-    from pdserve.server.tokenizer_manager import RequestState, SampleResult
+    from pdserve.server.request_state import RequestState, SampleResult
 
 TopLogprobs = Sequence[Sequence[tuple[float, int]]]  # per output token: (logprob, token id) best first
 # Per prompt token from logprob_start_len on; the first prompt token's entries are None.

@@ -7,17 +7,15 @@ tokens and the bonus token, and compact the KV of the accepted path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
 from pdserve.model import device_io
-from pdserve.scheduler.batch import Draws, ScheduledBatch, StepOutput
+from pdserve.scheduler.batch import Draws, Gain, Sampler, ScheduledBatch
+from pdserve.scheduler.kv_manager import KVManager
 from pdserve.scheduler.req import FinishReason, Req
 from pdserve.speculative.eagle_worker import EagleWorker
-
-if TYPE_CHECKING:
-    from pdserve.scheduler.scheduler import Scheduler
 
 
 def accept_on_device(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, drawn: torch.Tensor,
@@ -77,45 +75,49 @@ class DrawView:
 
 
 class EagleDecoding:
-    def __init__(self, sched: "Scheduler", spec: EagleWorker) -> None:
-        self.sched = sched
+    """One speculative round per step for the requests it is given. Its dependencies
+    are explicit (the KV manager, the sampler, the draft worker, the stop check); it
+    returns what each request gained and never touches the scheduler."""
+
+    def __init__(self, kv: KVManager, sampler: Sampler, spec: EagleWorker,
+                 stop: Callable[[Req], FinishReason | None]) -> None:
+        self.kv = kv
+        self.sampler = sampler
         self.spec = spec
-        self.room = spec.room  # positions past kv_len one round uses: the tree and the draft scratch
+        self.stop = stop
+        self.lookahead = spec.lookahead  # positions past kv_len one round uses: the tree and the draft scratch
         # The deepest node a tree can have (and the longest accepted path, minus the root).
         self.max_depth = min(spec.steps, spec.num_draft_tokens - 1)
 
-    def plan(self, out: StepOutput) -> ScheduledBatch | None:
-        sched, spec = self.sched, self.spec
-        sched.make_decode_room(out)
-        reqs = list(sched.running)
-        if not reqs:
-            return None
-        round_pages = sched.kv.grow_rounds(reqs, spec.room)
-        tree = spec.propose(reqs)
-        return ScheduledBatch("verify", reqs, spec.verify_input(reqs, tree), tree=tree, round_pages=round_pages)
+    def plan(self, reqs: list[Req]) -> ScheduledBatch:
+        """Open the round's pages (closed by ``process``, or released with a request that
+        ends first), then draft the tree: the draft model's forwards run here."""
+        self.kv.open_rounds(reqs, self.spec.lookahead)
+        tree = self.spec.propose(reqs)
+        return ScheduledBatch("verify", reqs, self.spec.verify_input(reqs, tree), tree=tree)
 
-    def process(self, batch: ScheduledBatch, logits: torch.Tensor, out: StepOutput) -> None:
-        sched, spec = self.sched, self.spec
+    def process(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Gain]:
+        spec = self.spec
         reqs = batch.reqs
         starts = [r.kv_len for r in reqs]  # each request's kv_len before the round
         # Every node draws the token plain decoding would draw at its output position
         # (same parameters, same seeded noise), and the walk emits the nodes whose
         # tokens their parents drew: exactly the non-speculative output.
-        if sched.sampler.tree_drawable(reqs):
+        if self.sampler.tree_drawable(reqs):
             paths, draws = self._accept_on_device(batch, logits, starts)
             compacted = True
         else:
             paths, draws = self._accept_by_views(batch, logits)
             compacted = False
         moves: list[tuple[int, int, int]] = []
-        ended: list[tuple[Req, FinishReason]] = []
+        gains: list[Gain] = []
         for req, n, (path, rows) in zip(reqs, starts, paths):
             reason = None
             emitted = 0
             for row in rows:
                 draws.append_to(req, row)
                 emitted += 1
-                reason = sched.stop_reason(req)
+                reason = self.stop(req)
                 if reason is not None:
                     break
             # Position n + j now holds the input of the j-th emitted token: node path[j].
@@ -126,28 +128,24 @@ class EagleDecoding:
             req.spec_accepted_drafts += min(emitted, len(path) - 1)
             spec.num_verify_rounds += 1
             spec.num_emitted_tokens += emitted
-            out.advanced.append(req)
-            if reason is not None:
-                ended.append((req, reason))
+            gains.append(Gain(req, reason))
         # One batched compaction (done on the device already on the batched path), then
         # the round's pages past each kept length go back (page ids from the host: no
-        # device read), then finished requests release (their compacted KV into the
-        # prefix cache).
-        sched.kv.move_positions(moves)
-        sched.kv.trim_rounds(reqs, starts, batch.round_pages)
-        for req, reason in ended:
-            sched.running.remove(req)
-            out.finished += sched.finish(req, reason)
-        spec.catch_up([r for r in reqs if r.row is not None])
+        # device read); requests that stop release their compacted KV when the
+        # scheduler finishes them.
+        self.kv.move_positions(moves)
+        self.kv.close_rounds(reqs)
+        spec.catch_up([g.req for g in gains if g.stop is None])
+        return gains
 
     def _accept_on_device(self, batch: ScheduledBatch, logits: torch.Tensor, starts: list[int]
                           ) -> tuple[list[tuple[list[int], list[int]]], Draws]:
         """Draw every node, walk the accepted paths and compact their KV on the device,
         then read the paths' draws back in the round's one device read."""
-        sched, tree = self.sched, batch.tree
+        tree = batch.tree
         reqs, nodes = batch.reqs, self.spec.num_draft_tokens
         b = len(reqs)
-        result = sched.sampler.draw_tree(logits, reqs, tree.tokens, tree.masks, tree.depths)
+        result = self.sampler.draw_tree(logits, reqs, tree.tokens, tree.masks, tree.depths)
         drawn = result.next_ids.view(b, nodes)
         path, lengths = accept_on_device(tree.tokens, tree.parents, tree.depths, drawn, self.max_depth)
         self._compact(reqs, starts, path, lengths)
@@ -169,7 +167,7 @@ class EagleDecoding:
         j-th node, as one copy of a fixed B x depth slots (no read of how many moved:
         slots off the path copy onto themselves; positions a stop cuts off later are
         trimmed or rewritten)."""
-        kv = self.sched.kv
+        kv = self.kv
         depth = path.shape[1] - 1
         if depth == 0:
             return
@@ -186,12 +184,12 @@ class EagleDecoding:
         """Constrained requests (their grammar's state along a path lives in a host
         matcher): each node is drawn from a view of its request with the path emitted.
         Two device reads: the tree, then the draws."""
-        sched, spec = self.sched, self.spec
+        spec = self.spec
         reqs, nodes = batch.reqs, spec.num_draft_tokens
         tokens, parents = device_io.fetch(torch.stack([batch.tree.tokens, batch.tree.parents]))
         views = [DrawView(r, path_tokens(tokens[b], parents[b], j)) for b, r in enumerate(reqs)
                  for j in range(nodes)]
-        draws = sched.sampler.draw(logits, views, reqs)
+        draws = self.sampler.draw(logits, views, reqs)
         paths = []
         for b in range(len(reqs)):
             path = spec.accept_path(tokens[b], parents[b], draws.ids[b * nodes: (b + 1) * nodes])

@@ -16,279 +16,30 @@ state and predicts the token after next:
           speculators library's definition); logits = lm_head(norm(h)) over a
           draft vocabulary whose ids map to target ids through ``d2t`` offsets.
 
-EAGLE3 layouts read (one model, only names and config shapes differ):
-
-  SGLang / EAGLE repo  ``architectures`` LlamaForCausalLMEagle3 (or
-          LlamaForCausalLM); ``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
-          ``d2t`` (``t2d`` ignored).
-  vLLM    ``Eagle3LlamaForCausalLM``; the first layer may be ``layers.0.*``;
-          extra layers ``layers.{i}.*``.
-  speculators  ``"speculators_model_type": "eagle3"`` (``Eagle3Speculator`` /
-          ``Eagle3DraftModel``): the layer config nested in
-          ``transformer_layer_config``, ``draft_vocab_size``,
-          ``target_hidden_size``, ``norm_before_residual`` at the top;
-          ``layers.{i}.*``, ``embed_tokens``, ``fc`` (bias optional).
-  Without ``d2t`` the draft vocabulary is the target's (no mapping); without
-  ``lm_head`` the target's head is used (SGLang's ``load_lm_head_from_target``).
-  The draft's embedding is the target's, shared, unless its width differs from
-  the target's (``hidden_size != target_hidden_size``) or the speculators config
-  says it was trained (``embed_requires_grad``): then the checkpoint's own
-  ``embed_tokens`` is used.
-
-Target layers the features come from: ``eagle_config.eagle_aux_hidden_state_layer_ids``
-follows SGLang (id i is the *output* of target layer i, the residual stream
-entering layer i + 1); a top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM,
-speculators) follows vLLM (id i is the residual stream *entering* layer i).
-Without either the capture set is the residual stream entering layers
-[2, L//2, L-3] (SGLang's and vLLM's default).
+This module is the head as it runs: its parameters, how checkpoint tensor names map
+onto them (every layout's first layer, ``midlayer.`` or ``layers.0.``, is our
+``layers.0.``), loading, and the forward pass. Which layout a checkpoint uses, what its
+config means and whether it fits the target is decided before anything is built, in
+``draft_config.py`` (split from here: that part reads only ``config.json`` and tensor
+names, never tensors or torch modules); its ``DraftConfig``, ``DraftConfigError`` and
+``ALGORITHMS`` are re-exported here, where callers import them.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from pdserve.model.attention import AttentionBackend, ForwardContext
 from pdserve.model.layers import ColumnParallelLinear, Embedding, Linear, LMHead, RMSNorm, RotaryEmbedding
-from pdserve.model.loader import WeightLoadError, build_model, checkpoint_files, iter_checkpoint
-from pdserve.model.model_config import ModelConfig, ModelConfigError
+from pdserve.model.loader import WeightLoadError, build_model
 from pdserve.model.parallel import TPGroup
 from pdserve.model.transformer import MLP, STACKED_PARAMS, Attention, DecoderLayer
+from pdserve.speculative.draft_config import ALGORITHMS, DraftConfig, DraftConfigError
 
-ALGORITHMS = ("EAGLE", "EAGLE3")
-_ARCHITECTURES = {
-    "EAGLE": ("LlamaForCausalLMEagle", "LlamaForCausalLM"),
-    "EAGLE3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM"),
-}
-# Names only an EAGLE3 head carries (a plain LlamaForCausalLM may be either).
-_EAGLE3_ONLY = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator", "Eagle3DraftModel")
-_SPECULATORS_ARCHITECTURES = ("Eagle3Speculator", "Eagle3DraftModel")
-
-
-class DraftConfigError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    algorithm: str
-    layer: ModelConfig              # the draft layers' dimensions (num_layers of them)
-    fc_bias: bool
-    draft_vocab_size: int           # == target vocab for EAGLE and for EAGLE3 heads without d2t
-    capture_layers: tuple[int, ...]  # EAGLE3: target layers whose *input* residual is captured
-    target_hidden_size: int = 0     # width of each captured target layer (0: the draft's hidden size)
-    norm_before_residual: bool = False  # EAGLE3: the first layer's residual is hidden_norm(hidden)
-    own_embed: bool = False         # the checkpoint's embed_tokens, not the target's
-    own_head: bool = True           # EAGLE3: the checkpoint's lm_head (else the target's)
-    has_d2t: bool = True            # EAGLE3: a d2t map (else draft ids are target ids)
-    layout: str = "sglang"          # eagle | sglang (also vLLM's names) | speculators: for the log
-
-    @property
-    def hidden_size(self) -> int:
-        return self.layer.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.layer.num_layers
-
-    @property
-    def feature_width(self) -> int:
-        """Width of the per-position target feature the draft reads (what disaggregation moves)."""
-        if self.algorithm == "EAGLE3":
-            return 3 * (self.target_hidden_size or self.hidden_size)
-        return self.hidden_size
-
-    @classmethod
-    def from_dir(cls, draft_dir: str | Path, algorithm: str, target: ModelConfig) -> "DraftConfig":
-        draft_dir = Path(draft_dir)
-        if algorithm not in ALGORITHMS:
-            raise DraftConfigError(f"--speculative-algorithm must be one of {', '.join(ALGORITHMS)}, "
-                                   f"got {algorithm!r}")
-        path = draft_dir / "config.json"
-        if not path.is_file():
-            raise DraftConfigError(f"--speculative-draft-model-path {draft_dir}: no config.json")
-        raw: dict[str, Any] = json.loads(path.read_text())
-        archs = raw.get("architectures") or []
-        speculators = "speculators_model_type" in raw or "transformer_layer_config" in raw or any(
-            a in _SPECULATORS_ARCHITECTURES for a in archs)
-        if algorithm == "EAGLE":
-            if any(a in _EAGLE3_ONLY for a in archs) or raw.get("speculators_model_type") == "eagle3":
-                raise DraftConfigError(f"{draft_dir} is an EAGLE3 draft ({archs}) but --speculative-algorithm "
-                                       "is EAGLE")
-            if speculators:
-                raise DraftConfigError(f"{draft_dir}: speculators_model_type "
-                                       f"{raw.get('speculators_model_type')!r}: EAGLE heads load from the "
-                                       "EAGLE / SGLang layout only")
-            if not any(a in _ARCHITECTURES["EAGLE"] for a in archs):
-                raise DraftConfigError(f"{draft_dir}: architectures {archs} is not an EAGLE draft "
-                                       f"(expected one of {', '.join(_ARCHITECTURES['EAGLE'])})")
-            return cls._eagle(draft_dir, raw, target)
-        if _ARCHITECTURES["EAGLE"][0] in archs:
-            raise DraftConfigError(f"{draft_dir} is an EAGLE draft ({archs}) but --speculative-algorithm is EAGLE3")
-        if speculators:
-            raw = _flatten_speculators(draft_dir, raw)
-        elif not any(a in _ARCHITECTURES["EAGLE3"] for a in archs):
-            raise DraftConfigError(
-                f"{draft_dir}: architectures {archs} is not an EAGLE3 draft (expected one of "
-                f"{', '.join(_ARCHITECTURES['EAGLE3'] + _SPECULATORS_ARCHITECTURES)})")
-        return cls._eagle3(draft_dir, raw, target, "speculators" if speculators else "sglang")
-
-    @classmethod
-    def _eagle(cls, draft_dir: Path, raw: dict[str, Any], target: ModelConfig) -> "DraftConfig":
-        if int(raw.get("num_hidden_layers", 1)) != 1:
-            raise DraftConfigError(f"{draft_dir}: num_hidden_layers {raw['num_hidden_layers']}: EAGLE heads "
-                                   "have one layer (multi-layer drafts are EAGLE3 only)")
-        layer = _layer_config(draft_dir, raw)
-        h = layer.hidden_size
-        target_hidden = int(raw.get("target_hidden_size") or h)
-        if h != target.hidden_size or target_hidden != target.hidden_size:
-            raise DraftConfigError(
-                f"{draft_dir}: draft hidden_size {h} (target_hidden_size {target_hidden}) differs from the "
-                f"target's {target.hidden_size}; EAGLE heads of another width are not supported "
-                "(EAGLE3 heads may differ)")
-        _check_vocab(draft_dir, layer, target)
-        return cls("EAGLE", layer, bool(raw.get("bias", True)), target.vocab_size, (), layout="eagle")
-
-    @classmethod
-    def _eagle3(cls, draft_dir: Path, raw: dict[str, Any], target: ModelConfig, layout: str) -> "DraftConfig":
-        layer = _layer_config(draft_dir, raw)
-        _check_vocab(draft_dir, layer, target)
-        if layer.num_layers < 1:
-            raise DraftConfigError(f"{draft_dir}: num_hidden_layers {layer.num_layers} must be at least 1")
-        eagle_config = raw.get("eagle_config") or {}
-        if eagle_config.get("use_aux_hidden_state", True) is False:
-            raise DraftConfigError(f"{draft_dir}: eagle_config.use_aux_hidden_state false (a head reading only "
-                                   "the target's last hidden state) is not supported")
-        if raw.get("tie_word_embeddings"):
-            raise DraftConfigError(f"{draft_dir}: tie_word_embeddings true (an EAGLE3 head whose lm_head is its "
-                                   "embedding) is not supported")
-        names = _tensor_names(draft_dir)
-        if any(n.startswith("additional_layers.") for n in names):
-            raise DraftConfigError(
-                f"{draft_dir}: tensors additional_layers.*: SGLang's extra-layer layout (its extra layers read "
-                "hidden_norm as input norm) is not supported; multi-layer EAGLE3 heads load in the vLLM / "
-                "speculators layout (layers.{i}.*)")
-        h, v = layer.hidden_size, target.vocab_size
-        target_hidden = int(raw.get("target_hidden_size") or target.hidden_size)
-        if target_hidden != target.hidden_size:
-            raise DraftConfigError(f"{draft_dir}: target_hidden_size {target_hidden} differs from the target's "
-                                   f"hidden_size {target.hidden_size} (a draft for another model?)")
-        has_d2t = "d2t" in names
-        own_head = "lm_head.weight" in names
-        vd = int(raw.get("draft_vocab_size") or v)
-        if not 0 < vd <= v:
-            raise DraftConfigError(f"{draft_dir}: draft_vocab_size {vd} must be in [1, {v}]")
-        if not has_d2t and vd != v:
-            raise DraftConfigError(f"{draft_dir}: draft_vocab_size {vd} is smaller than the target vocabulary "
-                                   f"{v} but the checkpoint has no d2t (the draft-to-target id map)")
-        if not own_head:
-            if vd != v:
-                raise DraftConfigError(f"{draft_dir}: no lm_head.weight but draft_vocab_size {vd}: a head "
-                                       f"without its own lm_head uses the target's, over all {v} tokens")
-            if h != target.hidden_size:
-                raise DraftConfigError(f"{draft_dir}: no lm_head.weight and hidden_size {h} differs from the "
-                                       f"target's {target.hidden_size}: the target's lm_head cannot be shared")
-        own_embed = h != target.hidden_size or bool(raw.get("embed_requires_grad", False))
-        if own_embed and "embed_tokens.weight" not in names:
-            why = (f"hidden_size {h} differs from the target's {target.hidden_size}" if h != target.hidden_size
-                   else "embed_requires_grad is true")
-            raise DraftConfigError(f"{draft_dir}: {why}, so the head needs its own embed_tokens.weight, which "
-                                   "the checkpoint lacks")
-        return cls("EAGLE3", layer, "fc.bias" in names, vd, _capture_layers(draft_dir, raw, target),
-                   target_hidden_size=target_hidden, norm_before_residual=bool(raw.get("norm_before_residual")),
-                   own_embed=own_embed, own_head=own_head, has_d2t=has_d2t, layout=layout)
-
-
-def _layer_config(draft_dir: Path, raw: dict[str, Any]) -> ModelConfig:
-    try:
-        return ModelConfig.from_hf({"num_hidden_layers": 1, **raw, "architectures": ["LlamaForCausalLM"]})
-    except (ModelConfigError, KeyError) as exc:
-        raise DraftConfigError(f"{draft_dir}: {exc}") from None
-
-
-def _check_vocab(draft_dir: Path, layer: ModelConfig, target: ModelConfig) -> None:
-    if layer.vocab_size != target.vocab_size:
-        raise DraftConfigError(f"{draft_dir}: vocab_size {layer.vocab_size} differs from the target's "
-                               f"{target.vocab_size} (a draft for another tokenizer?)")
-
-
-def _flatten_speculators(draft_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
-    """A speculators-library config as one flat dict in the SGLang layout's terms:
-    the nested ``transformer_layer_config`` plus the EAGLE3 fields around it."""
-    kind = raw.get("speculators_model_type")
-    if kind != "eagle3":
-        raise DraftConfigError(f"{draft_dir}: speculators_model_type {kind!r}: only 'eagle3' speculators "
-                               "checkpoints are supported")
-    layer = raw.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise DraftConfigError(f"{draft_dir}: speculators config without a transformer_layer_config object")
-    model_type = layer.get("model_type", "llama")
-    if model_type != "llama":
-        raise DraftConfigError(f"{draft_dir}: transformer_layer_config.model_type {model_type!r}: only Llama "
-                               "draft layers are supported")
-    if raw.get("norm_before_fc"):
-        raise DraftConfigError(f"{draft_dir}: norm_before_fc true (an RMSNorm over the target features before "
-                               "fc) is not supported")
-    flat = {k: v for k, v in layer.items() if k not in ("architectures", "eagle_config")}
-    # The speculators library's defaults where a field is absent.
-    flat.update(draft_vocab_size=raw.get("draft_vocab_size", 32000),
-                target_hidden_size=raw.get("target_hidden_size"),
-                norm_before_residual=bool(raw.get("norm_before_residual", False)),
-                embed_requires_grad=bool(raw.get("embed_requires_grad", False)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", layer.get("tie_word_embeddings", False))))
-    if raw.get("eagle_aux_hidden_state_layer_ids"):
-        flat["eagle_aux_hidden_state_layer_ids"] = raw["eagle_aux_hidden_state_layer_ids"]
-    return flat
-
-
-def _capture_layers(draft_dir: Path, raw: dict[str, Any], target: ModelConfig) -> tuple[int, ...]:
-    n = target.num_layers
-    sglang_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    vllm_ids = raw.get("eagle_aux_hidden_state_layer_ids")
-    for field, ids in (("eagle_config.eagle_aux_hidden_state_layer_ids", sglang_ids),
-                       ("eagle_aux_hidden_state_layer_ids", vllm_ids)):
-        if ids is not None and (len(ids) != 3 or any(not isinstance(i, int) for i in ids)):
-            raise DraftConfigError(f"{draft_dir}: {field} must be 3 integers, got {ids!r}")
-    if sglang_ids is not None:
-        capture = tuple(i + 1 for i in sglang_ids)  # "output of layer i" = input of layer i + 1
-        if vllm_ids is not None and tuple(vllm_ids) != capture:
-            raise DraftConfigError(
-                f"{draft_dir}: eagle_config.eagle_aux_hidden_state_layer_ids {list(sglang_ids)} (outputs of "
-                f"those layers) and eagle_aux_hidden_state_layer_ids {list(vllm_ids)} (inputs of those layers) "
-                "name different target layers")
-    elif vllm_ids is not None:
-        capture = tuple(vllm_ids)
-    else:
-        capture = (2, n // 2, n - 3)
-    if any(not 1 <= c < n for c in capture):
-        raise DraftConfigError(f"{draft_dir}: EAGLE3 reads the inputs of target layers {list(capture)}, "
-                               f"which must lie in [1, {n - 1}] for a {n}-layer target")
-    return capture
-
-
-def _tensor_names(model_dir: Path) -> set[str]:
-    """The checkpoint's tensor names, without reading any tensor where the format
-    allows (a sharded checkpoint's index, safetensors headers)."""
-    files = checkpoint_files(model_dir)
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = model_dir / index_name
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map") or {}
-            if {model_dir / f for f in weight_map.values()} == set(files):
-                return set(weight_map)
-    if all(f.suffix == ".safetensors" for f in files):
-        names: set[str] = set()
-        for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                names.update(handle.keys())
-        return names
-    return {name for name, _ in iter_checkpoint(model_dir)}
+__all__ = ["ALGORITHMS", "DraftConfig", "DraftConfigError", "DraftLayer", "EagleDraftModel"]
 
 
 class DraftLayer(nn.Module):

@@ -23,7 +23,7 @@ draft KV pool and the target-feature pool, and does the tree math:
              the walk descends while that token is a child.  Output is
              therefore identical to non-speculative decoding, greedy or not.
 
-Slots: a request's positions [kv_len, kv_len + room) hold the tree for one
+Slots: a request's positions [kv_len, kv_len + lookahead) hold the tree for one
 round: target KV of node j at position kv_len + j, draft scratch KV of the
 j-th forwarded frontier node at position kv_len + j (the draft pool shares slot
 indices with the target pool).  Accepted nodes are then moved into place
@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pdserve.config import ServerArgs
-from pdserve.model.attention import RowLayout, TorchNativeAttention
+from pdserve.model.attention_backends import DraftAttentionBackend, create_backend
+from pdserve.model.forward_context import RowLayout
 from pdserve.model.device_io import upload, upload_rows
 from pdserve.model.layers import RotaryEmbedding
 from pdserve.model.model_config import ModelConfig
@@ -50,7 +51,6 @@ from pdserve.scheduler.req import Req
 from pdserve.speculative.draft_model import DraftConfig, EagleDraftModel
 
 if TYPE_CHECKING:
-    from pdserve.model.triton_backend import TritonAttention
     from pdserve.speculative.draft_graphs import DraftGraphs
 
 logger = logging.getLogger(__name__)
@@ -102,22 +102,20 @@ class EagleWorker:
         self.features = torch.zeros(num_slots, self.config.feature_width, dtype=runner.dtype, device=self.device)
         self.capture_layers: tuple[int, ...] = self.config.capture_layers
         # Positions past kv_len one round uses: the verified tree and the draft scratch.
-        self.room = max(self.num_draft_tokens, (self.steps - 1) * self.topk)
+        self.lookahead = max(self.num_draft_tokens, (self.steps - 1) * self.topk)
         self.backend = self._attention(args.resolved_attention_backend(), lay)
         self.draft.bind(self.backend,
-                        RotaryEmbedding(lay.head_dim, runner.context_len + self.room, lay.rope).to(self.device))
+                        RotaryEmbedding(lay.head_dim, runner.context_len + self.lookahead, lay.rope).to(self.device))
         self.req_to_token: torch.Tensor | None = None
         self.graphs: "DraftGraphs | None" = None
         self.num_verify_rounds = 0
         self.num_emitted_tokens = 0
 
-    def _attention(self, name: str, lay: ModelConfig) -> TorchNativeAttention | TritonAttention:
-        """The draft's attention follows the target's backend: with ``triton`` its tree
-        steps read each request's prefix in place, from lengths on the device."""
-        if name == "triton":
-            from pdserve.model.triton_backend import TritonAttention  # imports triton: only when chosen
-            return TritonAttention(self.draft_pool, lay.num_heads, lay.num_kv_heads, lay.head_dim)
-        return TorchNativeAttention(self.draft_pool, lay.num_heads, lay.num_kv_heads, lay.head_dim)
+    def _attention(self, name: str, lay: ModelConfig) -> DraftAttentionBackend:
+        """The draft's attention follows the target's backend (one that supports the draft
+        tree): with ``triton`` its tree steps read each request's prefix in place, from
+        lengths on the device."""
+        return create_backend(name, self.draft_pool, lay.num_heads, lay.num_kv_heads, lay.head_dim, draft=True)
 
     @staticmethod
     def bytes_per_slot(args: ServerArgs, runner: ModelRunner) -> int:
@@ -209,10 +207,12 @@ class EagleWorker:
         """Rounds of up to ``max_bs`` requests grow their trees through static buffers,
         replayed from CUDA graphs when ``capture`` (else run eagerly: the CPU tests).
         Needs the triton backend (its tree steps read no host lengths)."""
+        from pdserve.model.attention_backends import backends_supporting
         from pdserve.speculative.draft_graphs import DraftGraphs
 
-        if self.backend.name != "triton":
-            raise ValueError("the draft's CUDA graphs need --attention-backend triton")
+        if not self.backend.supports_cuda_graphs:
+            raise ValueError(f"the draft's CUDA graphs need --attention-backend "
+                             f"{' or '.join(backends_supporting('supports_cuda_graphs'))}")
         assert self.req_to_token is not None, "bind() first"
         self.graphs = DraftGraphs(self, padding_row, max_bs)
         if capture:

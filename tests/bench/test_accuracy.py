@@ -15,6 +15,7 @@ from tests.server.conftest import ServerProcess
 N_PER_TASK = 6
 
 
+@pytest.mark.fast
 def test_question_sets_are_heldout_and_deterministic():
     for task in demo_tasks.TASKS:
         convs = demo_tasks.heldout_conversations(task, 20, seed=3)
@@ -30,6 +31,7 @@ def test_question_sets_are_heldout_and_deterministic():
         assert all(not demo_tasks.is_heldout(m["content"]) for m in c.messages[:-1] if m["role"] == "user")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("task,text,valid", [
     ("arithmetic", "12 + 7 = 19", True), ("arithmetic", "12 + 7 = ", False), ("arithmetic", "19", False),
     ("copy", "ab12", True), ("copy", "ab 12", False),
@@ -39,6 +41,7 @@ def test_invalid_answer_shapes(task, text, valid):
     assert demo_tasks.is_valid_answer(task, text) is valid
 
 
+@pytest.mark.fast
 def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         accuracy.main(["--base-url", "http://127.0.0.1:1", "--num-questions", "0"])
@@ -47,6 +50,7 @@ def test_bad_arguments_are_refused(capsys):
         asyncio.run(accuracy.run_accuracy("http://127.0.0.1:1", 1, 1, task="poetry"))
 
 
+@pytest.mark.fast
 def test_unreachable_server_counts_errors_not_accuracy():
     res = asyncio.run(accuracy.run_accuracy("http://127.0.0.1:1", 2, 2, task="copy", timeout_s=5,
                                             show_progress=False))

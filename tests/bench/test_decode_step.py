@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from pdserve.bench import decode_step
+
+pytestmark = pytest.mark.fast
 
 
 def test_decode_step_reports_both_rows_and_identical_outputs(llama_dir, capsys):

@@ -4,7 +4,11 @@ ratio for higher-is-better and lower-is-better metrics."""
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.bench.report import BEGIN, END, ratio_sentence, splice
+
+pytestmark = pytest.mark.fast
 
 
 def block(text: str) -> str:

@@ -27,6 +27,7 @@ def rec(ttft: float, latency: float, output_len: int, itl: list[float] | None = 
 
 
 # ---- metric math ---------------------------------------------------------------------------
+@pytest.mark.fast
 def test_metrics_match_numpy_on_known_arrays():
     records = [
         rec(0.10, 1.00, 10, [0.1] * 9, prompt_len=100),
@@ -64,6 +65,7 @@ def test_metrics_match_numpy_on_known_arrays():
     assert m.duration == 4.0 and m.accept_length is None
 
 
+@pytest.mark.fast
 def test_metrics_of_nothing_and_of_failures_only_are_zeros():
     for records in ([], [rec(1.0, 2.0, 5, [0.1], success=False)]):
         m = compute_metrics(records, duration=0.0)
@@ -75,6 +77,7 @@ def test_metrics_of_nothing_and_of_failures_only_are_zeros():
     assert "Failed requests:                         1" in text and "First error: HTTP 500: x" in text
 
 
+@pytest.mark.fast
 def test_accept_length_from_server_or_from_verify_counts():
     records = [rec(0.1, 1.0, 10, spec_verify_ct=4), rec(0.1, 1.0, 6, spec_verify_ct=4)]
     assert compute_metrics(records, 1.0).accept_length == pytest.approx(2.0)
@@ -110,6 +113,7 @@ def _block_values(text: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.fast
 def test_result_block_has_sglangs_layout():
     m = compute_metrics([rec(0.1, 1.0, 10, [0.1] * 9)], 2.0)
     text = serving.format_result(m, "pdserve", math.inf, None)
@@ -127,6 +131,7 @@ def test_result_block_has_sglangs_layout():
 
 
 # ---- arrivals and concurrency ------------------------------------------------------------------
+@pytest.mark.fast
 def test_poisson_schedule_is_deterministic_with_the_right_rate():
     a = serving.arrival_times(20000, 5.0, seed=7)
     assert a == serving.arrival_times(20000, 5.0, seed=7) and a != serving.arrival_times(20000, 5.0, seed=8)
@@ -189,6 +194,7 @@ def _run(requests: list[BenchRequest], fake: FakeServer, rate: float, max_concur
 REQS = [BenchRequest("hi", 2, 3, prompt_ids=[5, 6]) for _ in range(12)]
 
 
+@pytest.mark.fast
 def test_max_concurrency_bounds_requests_in_flight():
     fake = FakeServer(delay=0.05)
     state = _run(REQS, fake, math.inf, max_concurrency=3)
@@ -198,6 +204,7 @@ def test_max_concurrency_bounds_requests_in_flight():
     assert state.duration() >= 4 * 0.05
 
 
+@pytest.mark.fast
 def test_inf_rate_sends_everything_at_once():
     # Every request is sent before any is answered (none waits for another's answer) ...
     fake = FakeServer(delay=0.0, gate=len(REQS))
@@ -209,6 +216,7 @@ def test_inf_rate_sends_everything_at_once():
     assert all(r.start_time < 2.0 for r in state.records)
 
 
+@pytest.mark.fast
 def test_requests_follow_the_poisson_schedule():
     fake = FakeServer(delay=0.0)
     state = _run(REQS, fake, 40.0, max_concurrency=None)
@@ -242,6 +250,7 @@ def _streaming(events: list[Any], first_delay: float = 0.0, gap: float = 0.0, se
     return handler
 
 
+@pytest.mark.fast
 def test_native_stream_counts_tokens_from_meta_info_and_one_itl_per_chunk():
     events = [
         {"text": "a", "output_ids": [7], "meta_info": {"prompt_tokens": 9, "completion_tokens": 1,
@@ -264,6 +273,7 @@ def test_native_stream_counts_tokens_from_meta_info_and_one_itl_per_chunk():
     assert r.latency >= r.ttft + sum(r.itl)
 
 
+@pytest.mark.fast
 def test_openai_streams_take_output_len_from_usage():
     comp = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("a", "", "bc", "d")]
     comp.append({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 6,
@@ -288,6 +298,7 @@ def test_openai_streams_take_output_len_from_usage():
     assert seen[0][1]["stream_options"] == {"include_usage": True}
 
 
+@pytest.mark.fast
 def test_failed_requests_say_why():
     def status(code: int) -> Any:
         return lambda request: httpx.Response(code, json={"error": {"message": "too long"}})
@@ -315,6 +326,7 @@ def demo_tokenizer():
     return load_tokenizer(assets.path("demo"))
 
 
+@pytest.mark.fast
 def test_random_dataset_lengths_within_the_range_ratio(demo_tokenizer):
     reqs = serving.random_dataset(200, 40, 20, 0.5, demo_tokenizer, seed=5)
     assert len(reqs) == 200
@@ -332,6 +344,7 @@ def test_random_dataset_lengths_within_the_range_ratio(demo_tokenizer):
         serving.random_dataset(1, 7, 3, 1.5, demo_tokenizer)
 
 
+@pytest.mark.fast
 def test_sharegpt_parsing(tmp_path, demo_tokenizer):
     data = [
         {"id": "a", "conversations": [{"from": "human", "value": "What is 1 + 2?"},
@@ -359,6 +372,7 @@ def test_sharegpt_parsing(tmp_path, demo_tokenizer):
         serving.sharegpt_dataset(path, 10, demo_tokenizer)
 
 
+@pytest.mark.fast
 def test_multiturn_measured_prompts_extend_the_warmup_prompts(demo_tokenizer):
     from pdserve.assets import demo_tasks
 
@@ -384,6 +398,7 @@ def test_multiturn_measured_prompts_extend_the_warmup_prompts(demo_tokenizer):
 
 
 # ---- the command line -------------------------------------------------------------------------------
+@pytest.mark.fast
 @pytest.mark.parametrize("argv,flag", [
     (["--num-prompts", "0"], "--num-prompts"), (["--request-rate", "0"], "--request-rate"),
     (["--max-concurrency", "0"], "--max-concurrency"), (["--random-range-ratio", "2"], "--random-range-ratio"),
@@ -396,6 +411,7 @@ def test_bad_arguments_are_refused(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.fast
 def test_plot_without_matplotlib_fails_first_with_a_clear_message(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     rc = serving.main(["--base-url", "http://127.0.0.1:1", "--plot", str(tmp_path / "p.png")])
@@ -403,12 +419,14 @@ def test_plot_without_matplotlib_fails_first_with_a_clear_message(monkeypatch, c
     assert rc == 2 and "--plot needs matplotlib" in err and "pip install matplotlib" in err
 
 
+@pytest.mark.fast
 def test_plot_writes_a_png(tmp_path):
     records = [rec(0.1 * i, 1.0 + i, 5, [0.05 * i] * 4) for i in range(1, 6)]
     serving.plot_latencies({"a": records, "b": records[:2]}, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.fast
 def test_unreachable_server_is_a_clear_error(capsys):
     rc = serving.main(["--base-url", "http://127.0.0.1:1", "--backend", "openai", "--disable-tqdm"])
     assert rc == 2 and "cannot list the models" in capsys.readouterr().err

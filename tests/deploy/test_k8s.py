@@ -21,6 +21,8 @@ import yaml
 from pdserve.config import ServerArgs
 from pdserve.router import config as router_config
 
+pytestmark = pytest.mark.fast
+
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 # A recent Kubernetes whose schemas kubernetes-validate bundles (it reads no network).
 K8S_VERSION = "1.33.0"

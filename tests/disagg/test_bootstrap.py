@@ -18,6 +18,8 @@ from pdserve.disagg.bootstrap import (AUTH_HEADER, REGISTRY_RECIPIENT, Bootstrap
                                       register_rank)
 from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, KVLayout
 
+pytestmark = pytest.mark.fast
+
 COMPAT = CompatRecord(PROTOCOL_VERSION, "LlamaForCausalLM", 4, 4, 32, "float32", 1, 104)
 
 

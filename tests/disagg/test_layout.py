@@ -13,6 +13,8 @@ from pdserve.disagg.layout import (PROTOCOL_VERSION, BufferSpec, CompatRecord, H
                                    check_compatible, kv_head_range, plan_transfer)
 from pdserve.disagg.transfer import LocalTransfer, WriteBatch, coalesce, split_batch
 
+pytestmark = pytest.mark.fast
+
 SLOTS, HEAD_DIM = 12, 4
 
 

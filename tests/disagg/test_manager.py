@@ -16,6 +16,8 @@ from pdserve.disagg.rooms import Deadlines, RoomState
 from pdserve.disagg.transfer import LocalTransfer, TransferError
 from tests.waiting import wait_until as wait_for
 
+pytestmark = pytest.mark.fast
+
 SLOTS, WIDTH = 64, 8
 COMPAT = CompatRecord(PROTOCOL_VERSION, "LlamaForCausalLM", 1, 2, 4, "float32", 1, 104)
 FAST = LinkConfig(heartbeat_interval_s=0.1, heartbeat_misses=3, handshake_timeout_s=3,

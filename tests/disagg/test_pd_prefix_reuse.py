@@ -13,12 +13,14 @@ import pytest
 
 from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.decode import DecodeScheduler
-from pdserve.scheduler.handoff import Phase
-from pdserve.scheduler.prefill import PrefillScheduler
+from pdserve.disagg.decode_side import decode_scheduler
+from pdserve.disagg.handoff import Phase
+from pdserve.disagg.prefill_side import prefill_scheduler
 from pdserve.scheduler.req import samples_from_message
 from tests.disagg.test_pd_schedulers import PD_CELLS, GREEDY, dirs, pools_full, run_pair, sched, step_until  # noqa: F401
 from tests.waiting import wait_until
+
+pytestmark = pytest.mark.fast
 
 
 def first_turns(n: int, seed: int) -> list[list[int]]:
@@ -33,9 +35,9 @@ def second_turns(turn1: list[list[int]], answers: list[list[int]], seed: int) ->
 
 
 def pair(dirs, p_algo: str | None, d_algo: str | None, extra: dict[str, Any], d_extra: dict[str, Any] | None = None):
-    p = sched(PrefillScheduler, dirs, p_algo, {**extra, "chunked_prefill_size": 16})
-    d = sched(DecodeScheduler, dirs, d_algo, {**extra, **(d_extra or {})},
-              fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, p_algo, {**extra, "chunked_prefill_size": 16})
+    d = sched(decode_scheduler, dirs, d_algo, {**extra, **(d_extra or {})},
+              fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     return p, d
 
 
@@ -53,17 +55,17 @@ def test_second_turn_hits_decode_cache_and_equals_colocated(make_engine, dirs, p
     p, d = pair(dirs, p_algo, d_algo, extra)
     try:
         assert run_pair(p, d, turn1) == answers
-        bytes1, sent1 = d.transfer_bytes, p.manager.bytes_sent
-        assert bytes1 == sum(len(t) for t in turn1) * d.bytes_per_position and d.prefix_hit_tokens == 0
+        bytes1, sent1 = d.mode.transfer_bytes, p.mode.manager.bytes_sent
+        assert bytes1 == sum(len(t) for t in turn1) * d.mode.bytes_per_position and d.mode.prefix_hit_tokens == 0
         # What decode holds of each turn-2 prompt: turn 1's prompt and answer (page aligned).
         ps = d.page_size
         expect = [cached_len(d, t) for t in turn2]
         assert all(e >= (len(a) + len(b) - 1) // ps * ps for e, a, b in zip(expect, turn1, answers))
         assert run_pair(p, d, turn2) == ref
-        assert d.prefix_hit_tokens == sum(expect)
-        assert d.transfer_bytes - bytes1 == sum(len(t) - e for t, e in zip(turn2, expect)) * d.bytes_per_position
+        assert d.mode.prefix_hit_tokens == sum(expect)
+        assert d.mode.transfer_bytes - bytes1 == sum(len(t) - e for t, e in zip(turn2, expect)) * d.mode.bytes_per_position
         # Prefill wrote only what decode lacked: fewer bytes than turn 2's whole prompts.
-        sent2 = p.manager.bytes_sent - sent1
+        sent2 = p.mode.manager.bytes_sent - sent1
         assert 0 < sent2 < sent1 * sum(map(len, turn2)) / sum(map(len, turn1))
         pools_full(p)
         pools_full(d)
@@ -84,10 +86,10 @@ def test_reuse_off_and_evicted_prefix_send_everything(make_engine, dirs):
             assert run_pair(p, d, turn1) == answers
             if not d_extra:
                 assert d.flush_cache()  # decode lost the prefix between the turns
-            before = d.transfer_bytes
+            before = d.mode.transfer_bytes
             assert run_pair(p, d, turn2) == ref
-            assert d.prefix_hit_tokens == 0
-            assert d.transfer_bytes - before == sum(map(len, turn2)) * d.bytes_per_position
+            assert d.mode.prefix_hit_tokens == 0
+            assert d.mode.transfer_bytes - before == sum(map(len, turn2)) * d.mode.bytes_per_position
             pools_full(p)
             pools_full(d)
         finally:
@@ -112,9 +114,9 @@ def test_partly_evicted_prefix_sends_the_rest(make_engine, dirs, page_size):
         assert evicted > 0
         left = [cached_len(d, t) for t in turn2]
         assert sum(left) < sum(full)
-        before = d.transfer_bytes
+        before = d.mode.transfer_bytes
         assert run_pair(p, d, turn2) == ref
-        assert d.transfer_bytes - before == sum(len(t) - h for t, h in zip(turn2, left)) * d.bytes_per_position
+        assert d.mode.transfer_bytes - before == sum(len(t) - h for t, h in zip(turn2, left)) * d.mode.bytes_per_position
         pools_full(p)
         pools_full(d)
     finally:
@@ -134,9 +136,9 @@ def test_whole_prompt_cached_transfers_nothing(make_engine, dirs):
     try:
         run_pair(p, d, turn1)
         assert [cached_len(d, t) for t in repeat] == [len(t) for t in repeat]
-        before, sent = d.transfer_bytes, p.manager.bytes_sent
+        before, sent = d.mode.transfer_bytes, p.mode.manager.bytes_sent
         assert run_pair(p, d, repeat) == ref
-        assert d.transfer_bytes == before and p.manager.bytes_sent == sent
+        assert d.mode.transfer_bytes == before and p.mode.manager.bytes_sent == sent
         pools_full(p)
         pools_full(d)
     finally:
@@ -163,24 +165,24 @@ def test_abort_and_failure_with_a_cached_prefix_release_exactly_their_pages(make
                                                     rid=f"r{room}"))[0]
             r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, room
             d.add(r)  # prefill never gets this request: the room waits for it
-            step_until(d, lambda: d.handoffs.count(Phase.TRANSFERRING))
-            assert d.handoffs.get(room).first_position == hit
+            step_until(d, lambda: d.mode.handoffs.count(Phase.RECEIVING))
+            assert d.mode.handoffs.get(room).first_position == hit
             # Locked: nothing of the prefix is evictable while the request holds it.
             assert d.kv.cache.evict(10**6) == 0 or cached_len(d, turn2) == hit
             assert cached_len(d, turn2) == hit
-            wait_until(lambda: p.manager.rooms.get(room) is not None, 5, step=0.01)
+            wait_until(lambda: p.mode.manager.rooms.get(room) is not None, 5, step=0.01)
             if end == "client abort":
                 (done,) = d.abort(f"r{room}")
             else:
-                p.manager.abort(room, "injected prefill failure")
+                p.mode.manager.abort(room, "injected prefill failure")
                 step_until(d, lambda: r.finish is not None)
                 done = r
             assert done.finish.kind.value == "abort"
-            h = d.handoffs.get(room)
+            h = d.mode.handoffs.get(room)
             assert h.phase is Phase.QUARANTINED
             # Only the pages past the cached prefix are kept out of use.
             assert h.held_pages.numel() == -(-(len(turn2) - hit) // d.page_size)
-            wait_until(lambda: not d.handoffs.count(Phase.QUARANTINED), 10, step=0.01,
+            wait_until(lambda: not d.mode.handoffs.count(Phase.QUARANTINED), 10, step=0.01,
                        between=lambda: (p.step(), d.step()))
             p.step()
             assert cached_len(d, turn2) == hit  # the prefix survived, unlocked

@@ -18,11 +18,13 @@ import torch
 from pdserve.disagg import local_pair
 from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.decode import DecodeScheduler
-from pdserve.scheduler.handoff import Phase
-from pdserve.scheduler.prefill import PrefillScheduler
+from pdserve.disagg.decode_side import decode_scheduler
+from pdserve.disagg.handoff import Phase
+from pdserve.disagg.prefill_side import prefill_scheduler
 from pdserve.scheduler.req import Req, samples_from_message
 from tests.disagg.test_pd_schedulers import SPEC, dirs, pools_full, prompts, sched  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.fast
 
 SAMPLED = {"n": 4, "temperature": 1.0, "top_p": 0.9, "seed": 11, "max_new_tokens": 10, "ignore_eos": True}
 
@@ -47,8 +49,8 @@ def drive(p, d, ps: list[list[int]], sampling: dict[str, Any], logprob_start_len
 def computed_once(p, ps: list[list[int]], n: int) -> int:
     """Prompt tokens a prefill computing each prompt once computes: each prompt's tokens
     less the cached ones (``cached_tokens_seen`` counts them once per sample)."""
-    assert p.cached_tokens_seen % n == 0
-    return sum(len(x) for x in ps) - p.cached_tokens_seen // n
+    assert p.planner.cached_tokens_seen % n == 0
+    return sum(len(x) for x in ps) - p.planner.cached_tokens_seen // n
 
 
 @pytest.mark.parametrize("d_algo,page_size", [(None, 1), (None, 16), ("EAGLE", 1), ("EAGLE", 16)],
@@ -57,11 +59,11 @@ def test_samples_equal_colocated_and_prompt_is_computed_once(make_engine, dirs, 
     ps = prompts(3, seed=4) + [long_prompt()]  # the long one is prefilled in 5 chunks
     colo = make_engine(dirs["target"], page_size=page_size)
     ref = [r["output_ids"] for r in colo.generate(input_ids=ps, sampling_params=SAMPLED)]
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16, "page_size": page_size})
-    d = sched(DecodeScheduler, dirs, d_algo, {"page_size": page_size},
-              fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"chunked_prefill_size": 16, "page_size": page_size})
+    d = sched(decode_scheduler, dirs, d_algo, {"page_size": page_size},
+              fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     sent: dict[int, dict[int, torch.Tensor]] = {}  # room -> position -> the feature row sent
-    real_send = p.manager.send
+    real_send = p.mode.manager.send
 
     def send(room: int, slots, first: int, ready=None) -> None:
         assert p.feature_sink is not None
@@ -69,7 +71,7 @@ def test_samples_equal_colocated_and_prompt_is_computed_once(make_engine, dirs, 
             sent.setdefault(room, {})[first + i] = row.clone()
         real_send(room, slots, first, ready)
     if d_algo:
-        p.manager.send = send  # type: ignore[method-assign]
+        p.mode.manager.send = send  # type: ignore[method-assign]
     try:
         out, _ = drive(p, d, ps, SAMPLED)
         assert [r.output_ids for r in out] == ref
@@ -89,7 +91,7 @@ def test_samples_equal_colocated_and_prompt_is_computed_once(make_engine, dirs, 
             assert [r.spec_verify_ct for r in out] == rounds
         computed = p.state()["prefill_tokens_computed"]
         assert computed == computed_once(p, ps, 4) and computed <= sum(len(x) for x in ps)
-        assert p.cached_tokens_seen < 4 * sum(len(x) for x in ps)  # (not all of it cached)
+        assert p.planner.cached_tokens_seen < 4 * sum(len(x) for x in ps)  # (not all of it cached)
         # Again: prefill serves every prompt from its radix cache, computing only each
         # prompt's last (partial) page, once per request; decode still gets every sample.
         out, _ = drive(p, d, ps, SAMPLED)
@@ -107,8 +109,8 @@ def test_one_long_prompt_n4_is_computed_once(make_engine, dirs):
     ps = [long_prompt(90, seed=3)]
     sampling = {**SAMPLED, "max_new_tokens": 4}
     ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=sampling)]
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
-    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"chunked_prefill_size": 16})
+    d = sched(decode_scheduler, dirs, None, {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         out, _ = drive(p, d, ps, sampling)
         assert [r.output_ids for r in out] == ref
@@ -130,8 +132,8 @@ def test_a_failed_room_mid_prefill_ends_only_its_sample(make_engine, dirs, victi
     ps = [long_prompt(80, seed=5)]
     sampling = {**SAMPLED, "n": 3}
     ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=sampling)]
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
-    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"chunked_prefill_size": 16})
+    d = sched(decode_scheduler, dirs, None, {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     failed: list[int] = []
 
     def fail_mid_way() -> None:
@@ -139,8 +141,8 @@ def test_a_failed_room_mid_prefill_ends_only_its_sample(make_engine, dirs, victi
         if not failed and c is not None and 16 < c.kv_len < c.fill_len:
             assert c.sample_index == 0 and len(c.pending_forks) == 2
             room = ([c] + c.pending_forks)[victim].bootstrap_room
-            assert p.handoffs.get(room).phase is (Phase.COMPUTING if victim == 0 else Phase.AWAITING_PROMPT)
-            p.manager.abort(room, "injected failure")
+            assert p.mode.handoffs.get(room).phase is (Phase.COMPUTING if victim == 0 else Phase.AWAITING_PROMPT)
+            p.mode.manager.abort(room, "injected failure")
             failed.append(room)
     try:
         out, p_out = drive(p, d, ps, sampling, hook=fail_mid_way)
@@ -164,8 +166,8 @@ def test_a_failed_room_mid_prefill_ends_only_its_sample(make_engine, dirs, victi
 def test_client_abort_of_a_waiting_request_ends_every_sample_once(dirs):
     """An abort while sample 0 computes the prompt and the others wait for it ends each
     sample exactly once, on both sides; nothing leaks."""
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
-    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"chunked_prefill_size": 16})
+    d = sched(decode_scheduler, dirs, None, {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     builder = RequestBuilder(None, 4096, 10**6, 4, 0)
     try:
         msg = builder.group(long_prompt(80), SamplingParams.from_dict({**SAMPLED, "n": 3}), False, 0, rid="x")
@@ -181,7 +183,7 @@ def test_client_abort_of_a_waiting_request_ends_every_sample_once(dirs):
         assert p.chunked is gp[0]
         ended = p.abort("x")
         assert sorted(r.sample_index for r in ended) == [0, 1, 2]
-        assert all(r.finish.kind.value == "abort" for r in ended) and not p.handoffs
+        assert all(r.finish.kind.value == "abort" for r in ended) and not p.mode.handoffs
         wait_drained(p, d, until=lambda: all(r.finish is not None for r in gd))
         assert all(r.finish.kind.value == "abort" for r in gd)
         pools_full(p)
@@ -199,8 +201,8 @@ def test_prompt_logprobs_are_computed_once_and_shared(make_engine, dirs):
     colo = make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=sampling, return_logprob=True,
                                                 logprob_start_len=0)
     want = [[e[0] for e in r["meta_info"]["input_token_logprobs"]] for r in colo]
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
-    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"chunked_prefill_size": 16})
+    d = sched(decode_scheduler, dirs, None, {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         out, p_out = drive(p, d, ps, sampling, logprob_start_len=0)
         assert [r.output_ids for r in out] == [r["output_ids"] for r in colo]

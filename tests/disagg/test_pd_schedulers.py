@@ -19,12 +19,15 @@ from pdserve.disagg.manager import LinkConfig
 from pdserve.disagg.rooms import Deadlines
 from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.decode import DecodeScheduler
-from pdserve.scheduler.handoff import Phase
-from pdserve.scheduler.prefill import PrefillScheduler
+from pdserve.disagg.decode_side import decode_scheduler
+from pdserve.disagg.handoff import Phase
+from pdserve.disagg.prefill_side import prefill_scheduler
 from pdserve.scheduler.req import samples_from_message
 from pdserve.testing import build_random_draft, build_random_model
+from tests.scheduler.test_round_faults import inject_round_fault
 from tests.waiting import wait_until
+
+pytestmark = pytest.mark.fast
 
 GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
 
@@ -97,8 +100,8 @@ def test_pd_pair_equals_colocated(make_engine, dirs, p_algo, d_algo, extra):
     ps = prompts(6)
     ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
     fetch: dict[str, Any] = {}
-    p = sched(PrefillScheduler, dirs, p_algo, {**extra, "chunked_prefill_size": 16})
-    d = sched(DecodeScheduler, dirs, d_algo, extra, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, p_algo, {**extra, "chunked_prefill_size": 16})
+    d = sched(decode_scheduler, dirs, d_algo, extra, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         assert run_pair(p, d, ps) == ref
         # Again: prefill now serves every prompt from its radix cache and still sends all of it.
@@ -126,8 +129,8 @@ def test_parallel_samples_cross_in_their_own_rooms(make_engine, dirs, d_algo):
     ps = prompts(3, seed=4)
     sampling = {"n": 3, "temperature": 1.0, "top_p": 0.9, "seed": 11, "max_new_tokens": 12, "ignore_eos": True}
     ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=sampling)]
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
-    d = sched(DecodeScheduler, dirs, d_algo, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"chunked_prefill_size": 16})
+    d = sched(decode_scheduler, dirs, d_algo, {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         out = run_pair(p, d, ps, sampling)
         assert out == ref
@@ -140,14 +143,14 @@ def test_parallel_samples_cross_in_their_own_rooms(make_engine, dirs, d_algo):
 
 
 def test_incompatible_pairs_are_refused(dirs):
-    p = sched(PrefillScheduler, dirs, None, {"page_size": 16})
-    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
-    d3 = sched(DecodeScheduler, dirs, "EAGLE3", {"page_size": 16},
-               fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
-    de16 = sched(DecodeScheduler, dirs, "EAGLE", {"page_size": 16},
-                 fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
-    pe = sched(PrefillScheduler, dirs, "EAGLE", {})
-    de3 = sched(DecodeScheduler, dirs, "EAGLE3", {}, fetch_ranks=lambda url: [pe.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"page_size": 16})
+    d = sched(decode_scheduler, dirs, None, {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
+    d3 = sched(decode_scheduler, dirs, "EAGLE3", {"page_size": 16},
+               fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
+    de16 = sched(decode_scheduler, dirs, "EAGLE", {"page_size": 16},
+                 fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
+    pe = sched(prefill_scheduler, dirs, "EAGLE", {})
+    de3 = sched(decode_scheduler, dirs, "EAGLE3", {}, fetch_ranks=lambda url: [pe.mode.manager.rank_info(1, "127.0.0.1")])
     builder = RequestBuilder(None, 4096, 10**6, 4, 0)
     try:
         def request(s) -> str | None:
@@ -162,7 +165,7 @@ def test_incompatible_pairs_are_refused(dirs):
                 if finished:
                     assert finished == [r] and r.finish.kind.value == "abort" and r.finish.server_error
                     return r.finish.message
-                if s.manager.connection("http://127.0.0.1:1")[0] == "ok":
+                if s.mode.manager.connection("http://127.0.0.1:1")[0] == "ok":
                     return None
                 time.sleep(0.01)
             raise AssertionError("the handshake neither succeeded nor failed")
@@ -181,12 +184,12 @@ def test_a_feature_pool_that_does_not_fit_is_refused_at_the_handshake(dirs, monk
     """A plain prefill server makes its feature pool when the first speculative decode
     server connects, outside its startup budget: on a device without room for it the
     handshake is refused naming the fix, and the pool is not made."""
-    from pdserve.scheduler import prefill as prefill_module
+    from pdserve.disagg import prefill_side as prefill_module
 
     monkeypatch.setattr(prefill_module, "device_free_bytes", lambda device: 2 << 30)  # 2 GiB "free"
-    p = sched(PrefillScheduler, dirs, None, {})
+    p = sched(prefill_scheduler, dirs, None, {})
     monkeypatch.setattr(p.kv, "num_slots", 10**8)  # features for 10^8 slots: far more than 2 GiB
-    d = sched(DecodeScheduler, dirs, "EAGLE3", {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    d = sched(decode_scheduler, dirs, "EAGLE3", {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     builder = RequestBuilder(None, 4096, 10**6, 4, 0)
     try:
         r = samples_from_message(builder.group([5, 6, 7], SamplingParams.from_dict(GREEDY), False, 0))[0]
@@ -211,9 +214,9 @@ def test_pd_pair_on_qwen3(make_engine, tmp_path, p_algo, d_algo):
     qdirs = {"target": t, "EAGLE3": build_random_draft(t, tmp_path / "q3", "EAGLE3", draft_vocab_size=40)}
     ps = prompts(4, seed=5)
     ref = [r["output_ids"] for r in make_engine(t).generate(input_ids=ps, sampling_params=GREEDY)]
-    p = sched(PrefillScheduler, qdirs, p_algo, {"chunked_prefill_size": 16, "page_size": 16})
-    d = sched(DecodeScheduler, qdirs, d_algo, {"page_size": 16},
-              fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, qdirs, p_algo, {"chunked_prefill_size": 16, "page_size": 16})
+    d = sched(decode_scheduler, qdirs, d_algo, {"page_size": 16},
+              fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         assert run_pair(p, d, ps) == ref
         pools_full(p)
@@ -224,27 +227,27 @@ def test_pd_pair_on_qwen3(make_engine, tmp_path, p_algo, d_algo):
 
 
 def test_client_abort_on_decode_quarantines_pages_until_prefill_acknowledges(dirs):
-    p = sched(PrefillScheduler, dirs, None, {})
-    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {})
+    d = sched(decode_scheduler, dirs, None, {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     builder = RequestBuilder(None, 4096, 10**6, 4, 0)
     try:
         r = samples_from_message(builder.group(list(range(6, 40)), SamplingParams.from_dict(GREEDY), False, 0,
                                                 rid="x"))[0]
         r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, 99
         d.add(r)
-        step_until(d, lambda: d.handoffs.count(Phase.TRANSFERRING))  # connected in the background, then admitted
-        assert d.manager.rooms.get(99).state.name == "WAITING_FOR_INPUT"
-        wait_until(lambda: p.manager.rooms.get(99) is not None, 5, step=0.01)  # decode's request reached prefill
+        step_until(d, lambda: d.mode.handoffs.count(Phase.RECEIVING))  # connected in the background, then admitted
+        assert d.mode.manager.rooms.get(99).state.name == "WAITING_FOR_INPUT"
+        wait_until(lambda: p.mode.manager.rooms.get(99) is not None, 5, step=0.01)  # decode's request reached prefill
         (done,) = d.abort("x")
         assert done.finish.message == "aborted by the client"
-        assert d.handoffs.count(Phase.QUARANTINED), "pages reused before prefill confirmed no write is in flight"
+        assert d.mode.handoffs.count(Phase.QUARANTINED), "pages reused before prefill confirmed no write is in flight"
         free_before = d.kv.allocator.num_free
-        wait_until(lambda: p.manager.status(99)[0].name == "FAILED", 5, step=0.01)  # prefill was told
-        assert p.manager.status(99)[1] == "aborted by decode: aborted by the client"
-        wait_until(lambda: not d.handoffs.count(Phase.QUARANTINED), 5, step=0.01, between=lambda: (p.step(), d.step()))
-        assert not d.handoffs.count(Phase.QUARANTINED) and d.kv.allocator.num_free > free_before
+        wait_until(lambda: p.mode.manager.status(99)[0].name == "FAILED", 5, step=0.01)  # prefill was told
+        assert p.mode.manager.status(99)[1] == "aborted by decode: aborted by the client"
+        wait_until(lambda: not d.mode.handoffs.count(Phase.QUARANTINED), 5, step=0.01, between=lambda: (p.step(), d.step()))
+        assert not d.mode.handoffs.count(Phase.QUARANTINED) and d.kv.allocator.num_free > free_before
         p.step()
-        assert p.manager.rooms.get(99) is None  # prefill forgot the room
+        assert p.mode.manager.rooms.get(99) is None  # prefill forgot the room
         pools_full(p)
         pools_full(d)
     finally:
@@ -260,9 +263,9 @@ def test_decode_retraction_finishes_without_new_traffic(make_engine, dirs):
     ps = prompts(8, seed=7)
     sampling = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
     ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=sampling)]
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
-    d = sched(DecodeScheduler, dirs, None, {"max_total_tokens": 320},
-              fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"chunked_prefill_size": 16})
+    d = sched(decode_scheduler, dirs, None, {"max_total_tokens": 320},
+              fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         assert run_pair(p, d, ps, sampling) == ref
         assert d.state()["num_retractions"] > 0
@@ -283,8 +286,8 @@ def test_a_fault_with_one_request_fails_that_request_only(make_engine, dirs, pha
     # A request decode failed to admit never asks prefill for its KV: prefill's room ends
     # at its bootstrap deadline, shortened here from 30 s.
     link = {"link": LinkConfig(deadlines=Deadlines(bootstrapping=3.0))} if phase == "decode-admit" else {}
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16}, **link)
-    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"chunked_prefill_size": 16}, **link)
+    d = sched(decode_scheduler, dirs, None, {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     rooms: list[int] = []
     real_add = d.add
 
@@ -303,13 +306,13 @@ def test_a_fault_with_one_request_fails_that_request_only(make_engine, dirs, pha
         monkeypatch.setattr(obj, name, broken)
     try:
         if phase == "decode-admit":
-            failing(d.manager, "add_room", lambda room: room)
+            failing(d.mode.manager, "add_room", lambda room: room)
         elif phase == "prefill-send":
-            failing(p.manager, "send", lambda room: room)
+            failing(p.mode.manager, "send", lambda room: room)
         elif phase == "decode-commit":
-            failing(d, "settle", lambda req: req.bootstrap_room)
+            failing(d, "settle", lambda gain: gain.req.bootstrap_room)
         else:
-            failing(p, "_readiness", lambda h: h.room)
+            failing(p.mode, "_readiness", lambda h: h.room)
         reqs = run_pair_outcomes(p, d, ps)
         for i, r in enumerate(reqs):
             if i == 1:
@@ -336,12 +339,46 @@ def test_max_new_tokens_zero_ends_on_both_sides_like_colocated(make_engine, dirs
     sampling = {"max_new_tokens": 0, "n": 2, "temperature": 0}
     colo = make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=sampling)
     assert all(r["output_ids"] == [] and r["meta_info"]["finish_reason"]["type"] == "length" for r in colo)
-    p = sched(PrefillScheduler, dirs, None, {})
-    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {})
+    d = sched(decode_scheduler, dirs, None, {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         reqs = run_pair_outcomes(p, d, ps, sampling)
         assert len(reqs) == 4 and all(r.output_ids == [] and r.finish.kind.value == "length" for r in reqs)
-        assert not p.manager.rooms.counts().get("bootstrapping") and not d.manager.rooms.counts().get("bootstrapping")
+        assert not p.mode.manager.rooms.counts().get("bootstrapping") and not d.mode.manager.rooms.counts().get("bootstrapping")
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("where", ["draft", "forward", "process"])
+@pytest.mark.parametrize("d_algo", ["EAGLE", "EAGLE3"])
+def test_a_fault_in_a_decode_servers_round_fails_its_requests_and_leaks_nothing(make_engine, dirs, d_algo, where,
+                                                                              monkeypatch):
+    """A decode server's speculative round fails in its draft forwards, its target
+    forward or its process step: the requests in that round end with the error, the
+    round's pages (16 per page here: opened past each request's length) come back, and
+    the pair goes on serving."""
+    ps = prompts(3, seed=5)
+    ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
+    p = sched(prefill_scheduler, dirs, None, {"page_size": 16})
+    d = sched(decode_scheduler, dirs, d_algo, {"page_size": 16},
+              fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
+    # A decode server's only target forwards are its rounds (its prompts' KV arrives).
+    fired = inject_round_fault(monkeypatch, d, where, forwards_before=0)
+    try:
+        reqs = run_pair_outcomes(p, d, ps)
+        assert fired
+        failed = [r for r in reqs if r.finish.kind.value == "abort"]
+        assert failed, [r.finish for r in reqs]
+        for i, r in enumerate(reqs):
+            if r in failed:
+                assert r.finish.server_error and "injected fault" in r.finish.message, r.finish
+            else:
+                assert r.output_ids == ref[i]
+        monkeypatch.undo()
+        assert run_pair(p, d, ps) == ref
         pools_full(p)
         pools_full(d)
     finally:

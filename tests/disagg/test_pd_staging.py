@@ -10,10 +10,12 @@ import torch
 
 from pdserve.config import ConfigError, ServerArgs
 from pdserve.disagg.staging import HostStaging, choose_staging
-from pdserve.scheduler.decode import DecodeScheduler
-from pdserve.scheduler.prefill import PrefillScheduler
+from pdserve.disagg.decode_side import decode_scheduler
+from pdserve.disagg.prefill_side import prefill_scheduler
 from tests.disagg.test_pd_prefix_reuse import first_turns, second_turns
 from tests.disagg.test_pd_schedulers import GREEDY, dirs, pools_full, prompts, run_pair, sched  # noqa: F401
+
+pytestmark = pytest.mark.fast
 
 
 def test_the_mode_is_chosen_at_startup_and_impossible_ones_are_refused():
@@ -53,24 +55,24 @@ def test_staged_pairs_equal_colocated(make_engine, dirs, p_staging, d_staging, p
     ps = prompts(6, seed=3)
     engine = make_engine(dirs["target"], **extra)
     ref = [r["output_ids"] for r in engine.generate(input_ids=ps, sampling_params=GREEDY)]
-    p = sched(PrefillScheduler, dirs, p_algo, {**extra, "chunked_prefill_size": 16,
+    p = sched(prefill_scheduler, dirs, p_algo, {**extra, "chunked_prefill_size": 16,
                                                "disaggregation_kv_staging": p_staging})
-    d = sched(DecodeScheduler, dirs, d_algo, {**extra, "disaggregation_kv_staging": d_staging},
-              fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    d = sched(decode_scheduler, dirs, d_algo, {**extra, "disaggregation_kv_staging": d_staging},
+              fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         for s, mode in ((p, p_staging), (d, d_staging)):
-            assert (s.staging is not None) == (mode == "host")
-        if d.staging is not None:  # the engine writes into the twins, not into the pool
-            registered = {b.name: b.ptr for b in d.manager.layout.buffers}
-            for name, (buffer, twin) in d.staging.pairs.items():
+            assert (s.mode.staging is not None) == (mode == "host")
+        if d.mode.staging is not None:  # the engine writes into the twins, not into the pool
+            registered = {b.name: b.ptr for b in d.mode.manager.layout.buffers}
+            for name, (buffer, twin) in d.mode.staging.pairs.items():
                 assert registered[name] == twin.data_ptr() != buffer.data_ptr()
         assert run_pair(p, d, ps) == ref
         # A second turn that hits decode's prefix cache: only the rest is staged in.
         answers = run_pair(p, d, first_turns(2, seed=4))
         turn2 = second_turns(first_turns(2, seed=4), answers, seed=5)
         want = [r["output_ids"] for r in engine.generate(input_ids=turn2, sampling_params=GREEDY)]
-        hits = d.prefix_hit_tokens
-        assert run_pair(p, d, turn2) == want and d.prefix_hit_tokens > hits
+        hits = d.mode.prefix_hit_tokens
+        assert run_pair(p, d, turn2) == want and d.mode.prefix_hit_tokens > hits
         pools_full(p)
         pools_full(d)
     finally:

@@ -10,6 +10,8 @@ import pytest
 from pdserve.disagg import protocol as P
 from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, HeadRange, KVLayout
 
+pytestmark = pytest.mark.fast
+
 COMPAT = CompatRecord(PROTOCOL_VERSION, "LlamaForCausalLM", 4, 4, 32, "float32", 16, 104, "EAGLE3", 768, 2,
                       (("note", "x"),))
 LAYOUT = KVLayout(16, (BufferSpec("target.L0.K", 1 << 40, 4096, 256, HeadRange(2, 2, 4)),

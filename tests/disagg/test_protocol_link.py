@@ -18,6 +18,8 @@ from pdserve.disagg.transfer import LocalTransfer
 from tests.disagg.test_manager import COMPAT, FAST, buffers
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.fast
+
 SECRET = b"a-deployment-secret-for-link-tests"
 SIGNED = dataclasses.replace(FAST, secret=SECRET)
 NAMES = ["target.L0.K", "target.L0.V"]

@@ -7,6 +7,8 @@ import pytest
 
 from pdserve.disagg.rooms import Deadlines, RoomError, RoomState, RoomTable
 
+pytestmark = pytest.mark.fast
+
 
 class Clock:
     def __init__(self) -> None:

@@ -15,7 +15,7 @@ import pytest
 from pdserve import assets
 from pdserve.assets import demo_tasks
 from pdserve.tokenizer import load_tokenizer
-from tests.disagg.test_pd_schedulers import DecodeScheduler, PrefillScheduler, pools_full, run_pair, sched
+from tests.disagg.test_pd_schedulers import decode_scheduler, prefill_scheduler, pools_full, run_pair, sched
 
 N_PER_TASK = 8
 
@@ -45,8 +45,8 @@ def test_seed1_plain_prefill_eagle_decode_keeps_outputs_and_accuracy(make_engine
     tok, convs, ids = questions
     colocated = make_engine(dirs["target"]).generate(input_ids=ids, sampling_params=PARAMS)
     ref = [r["output_ids"] for r in colocated]
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 64})
-    d = sched(DecodeScheduler, dirs, "EAGLE", {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"chunked_prefill_size": 64})
+    d = sched(decode_scheduler, dirs, "EAGLE", {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         got = run_pair(p, d, ids, PARAMS)
         assert got == ref
@@ -81,8 +81,8 @@ def test_seed2_eagle3_across_the_split_first_round_acceptance(make_engine, dirs,
         worker.catch_up = catch_up
     recording(colo._scheduler.spec)
     colocated = colo.generate(input_ids=ids, sampling_params=PARAMS)
-    p = sched(PrefillScheduler, dirs, "EAGLE3", {})
-    d = sched(DecodeScheduler, dirs, "EAGLE3", {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, "EAGLE3", {})
+    d = sched(decode_scheduler, dirs, "EAGLE3", {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     recording(d.spec)
     try:
         got = run_pair(p, d, ids, PARAMS)
@@ -110,9 +110,9 @@ def test_demo_model_configuration_matrix(make_engine, dirs, questions, p_algo, d
     tok, convs, ids = questions
     ids = ids[::4]
     ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ids, sampling_params=PARAMS)]
-    p = sched(PrefillScheduler, dirs, p_algo, {"chunked_prefill_size": 32, "page_size": 16})
-    d = sched(DecodeScheduler, dirs, d_algo, {"page_size": 16},
-              fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, p_algo, {"chunked_prefill_size": 32, "page_size": 16})
+    d = sched(decode_scheduler, dirs, d_algo, {"page_size": 16},
+              fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         assert run_pair(p, d, ids, PARAMS) == ref
         pools_full(p)

@@ -18,9 +18,11 @@ from pdserve.config import ConfigError, ServerArgs
 from pdserve.disagg.staging import HostStaging, StagingMemoryError, choose_staging
 from pdserve.disagg.transfer import (LocalTransfer, MooncakeTransfer, TransferError, cudart_candidates, load_cudart,
                                      mooncake_reaches_gpu_memory)
-from pdserve.scheduler.handoff import transfer_staging
-from pdserve.scheduler.prefill import PrefillScheduler
+from pdserve.disagg.handoff import transfer_staging
+from pdserve.disagg.prefill_side import prefill_scheduler
 from tests.disagg.test_pd_schedulers import dirs, sched  # noqa: F401
+
+pytestmark = pytest.mark.fast
 
 GPU = torch.device("cuda")  # a value only: nothing is allocated on it
 
@@ -65,11 +67,11 @@ def test_mooncake_reaches_gpu_memory_only_with_its_cuda_build():
 def test_the_startup_check_validates_the_flag_for_the_mooncake_build(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     flags = dict(disaggregation_mode="prefill", disaggregation_kv_staging="direct")
-    monkeypatch.setattr("pdserve.config.mooncake_reaches_gpu_memory", lambda: False)
+    monkeypatch.setattr("pdserve.disagg.transfer.mooncake_reaches_gpu_memory", lambda: False)
     with pytest.raises(ConfigError, match="--disaggregation-kv-staging"):
         ServerArgs(**flags)
     assert ServerArgs(disaggregation_mode="prefill", disaggregation_kv_staging="auto").disaggregation_kv_staging
-    monkeypatch.setattr("pdserve.config.mooncake_reaches_gpu_memory", lambda: True)
+    monkeypatch.setattr("pdserve.disagg.transfer.mooncake_reaches_gpu_memory", lambda: True)
     assert ServerArgs(**flags).disaggregation_kv_staging == "direct"
 
 
@@ -186,4 +188,4 @@ def test_twins_the_host_cannot_hold_are_refused_naming_the_flags():
 def test_a_host_staged_server_the_host_cannot_hold_is_refused_at_startup(dirs, monkeypatch):  # noqa: F811
     monkeypatch.setattr(staging_mod, "host_available_bytes", lambda: 1 << 20)
     with pytest.raises(StagingMemoryError, match="--max-total-tokens"):
-        sched(PrefillScheduler, dirs, None, {"disaggregation_kv_staging": "host"})
+        sched(prefill_scheduler, dirs, None, {"disaggregation_kv_staging": "host"})

@@ -62,6 +62,7 @@ def expanded_context(prefix_slots, prefix_valid, branch_slots, positions) -> For
                           kv_indices=torch.where(valid, kv, 0), attn_mask=valid.view(b * k, 1, 1, -1))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("k,depth", [(1, 1), (3, 1), (3, 3), (4, 2)])
 def test_tree_step_equals_expanded_decode(heads, k, depth):
@@ -79,6 +80,7 @@ def test_tree_step_equals_expanded_decode(heads, k, depth):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.fast
 def test_tree_step_gathers_the_prefix_once_per_request(monkeypatch):
     kv_lens, k, depth = [6, 11, 3], 4, 3
     backend, pool, table = make_backend(8, 2, len(kv_lens))
@@ -98,6 +100,7 @@ def test_tree_step_gathers_the_prefix_once_per_request(monkeypatch):
     assert shapes == [(len(kv_lens), max(kv_lens) + k * depth)]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("prefix,extend", [
     ([0, 7, 3, 12], [3, 1, 5, 2]),     # ragged, one row without a prefix
@@ -121,6 +124,7 @@ def test_padded_short_extend_equals_per_row_extend(heads, prefix, extend):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.fast
 def test_long_extends_keep_the_per_row_plan():
     """A prompt prefill would pad every row to the longest: it keeps one SDPA per row."""
     _, _, table = make_backend(4, 4, 2)

@@ -30,6 +30,8 @@ from pdserve.model.runner import ModelRunner
 from pdserve.speculative.draft_model import DraftConfig, EagleDraftModel
 from pdserve.testing import build_random_draft
 
+pytestmark = pytest.mark.fast
+
 CPU = torch.device("cpu")
 ARCHS = ["llama_gqa", "llama_tied", "qwen2", "qwen3"]
 

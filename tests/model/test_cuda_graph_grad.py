@@ -16,6 +16,8 @@ from torch import nn
 from pdserve.model.attention import RowLayout
 from pdserve.model.cuda_graph import DecodeGraphs, capture_each
 
+pytestmark = pytest.mark.fast
+
 CPU = torch.device("cpu")
 
 

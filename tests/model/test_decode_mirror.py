@@ -12,6 +12,8 @@ from pdserve.model.decode_mirror import DecodeKVMirror
 from pdserve.model.layers import PREPACK_MIN_WEIGHTS, Linear, cpu_prepack
 from pdserve.scheduler.memory import ReqToTokenPool, TokenToKVPool
 
+pytestmark = pytest.mark.fast
+
 LAYERS, HEADS, KV_HEADS, DIM = 2, 4, 2, 8
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from tests.conftest import GREEDY, hf_greedy, random_prompts
 
+pytestmark = pytest.mark.fast
+
 NEW = 10
 
 

@@ -17,6 +17,8 @@ from pdserve.model.loader import WeightLoadError
 from pdserve.model.model_config import ModelConfig, ModelConfigError
 from pdserve.testing import build_random_model
 
+pytestmark = pytest.mark.fast
+
 HIDDEN, INTER, LAYERS, KV_HEADS, HEAD_DIM = 32, 64, 2, 2, 8
 GEN = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
 

@@ -36,6 +36,7 @@ def assert_matches(outs: list[tuple[list[int], list[float]]], ref: list[tuple[li
         assert max(abs(x - y) for x, y in zip(lps, ref_lps)) < 1e-4
 
 
+@pytest.mark.fast
 def test_layouts_are_what_the_specs_say(model_dirs):
     """The parity tests below cover what they claim: dense and sparse layers where the
     config puts them, and routing that spreads tokens over the experts."""
@@ -53,6 +54,7 @@ def test_layouts_are_what_the_specs_say(model_dirs):
     assert len(set(ids.flatten().tolist())) == 8  # every expert gets tokens
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_greedy_tokens_and_logprobs_match_transformers(name, model_dirs, make_engine):
     model_dir = model_dirs(name)
@@ -78,19 +80,20 @@ def test_tp2_matches_transformers(name, model_dirs, make_engine):
     assert_matches([_ids_and_lps(o) for o in outs], ref)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_pd_pair_matches_transformers(name, model_dirs):
     """1P1D in one process (prefill chunked by 16, KV handed over by the transfer managers)."""
-    from pdserve.scheduler.decode import DecodeScheduler
-    from pdserve.scheduler.prefill import PrefillScheduler
+    from pdserve.disagg.decode_side import decode_scheduler
+    from pdserve.disagg.prefill_side import prefill_scheduler
     from tests.disagg.test_pd_schedulers import pools_full, run_pair, sched
 
     model_dir = model_dirs(name)
     prompts = random_prompts(4, 5, 50, seed=5)
     ref = hf_greedy(model_dir, prompts, NEW)
     dirs = {"target": model_dir}
-    p = sched(PrefillScheduler, dirs, None, {"chunked_prefill_size": 16})
-    d = sched(DecodeScheduler, dirs, None, {}, fetch_ranks=lambda url: [p.manager.rank_info(1, "127.0.0.1")])
+    p = sched(prefill_scheduler, dirs, None, {"chunked_prefill_size": 16})
+    d = sched(decode_scheduler, dirs, None, {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         sampling = dict(GREEDY, max_new_tokens=NEW)
         assert run_pair(p, d, prompts, sampling) == [ids for ids, _ in ref]
@@ -146,6 +149,7 @@ def _loaded_experts(gate, up, down, tp: TPGroup) -> FusedExperts:
     return experts
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_fused_experts_match_per_token_reference_and_tp_shards_sum_to_it(tokens):
     g = torch.Generator().manual_seed(tokens)
@@ -170,6 +174,7 @@ def test_fused_experts_match_per_token_reference_and_tp_shards_sum_to_it(tokens)
     torch.testing.assert_close(partial.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.fast
 def test_expert_loader_checks_shapes():
     experts = FusedExperts(2, 8, 4, TPGroup())
     with pytest.raises(ValueError, match=r"experts.1.up: checkpoint shape \(4, 7\)"):
@@ -178,6 +183,7 @@ def test_expert_loader_checks_shapes():
         experts.down.weight.weight_loader(torch.zeros(8, 4), 2)
 
 
+@pytest.mark.fast
 def test_router_normalisations():
     g = torch.Generator().manual_seed(0)
     router_w = torch.randn(5, 8, generator=g)
@@ -208,6 +214,7 @@ def _raw(name: str, **changes) -> dict:
     return {k: v for k, v in base.items() if v is not None}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("arch,changes,match", [
     ("Qwen3MoeForCausalLM", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size=64"),
     ("Qwen3MoeForCausalLM", {"n_shared_experts": 1}, "n_shared_experts=1"),
@@ -227,6 +234,7 @@ def test_unsupported_moe_configs_are_refused(arch, changes, match):
     assert str(info.value).startswith(arch)
 
 
+@pytest.mark.fast
 def test_moe_config_fields():
     mix = ModelConfig.from_hf(_raw("MixtralForCausalLM", sliding_window=256, max_position_embeddings=4096,
                                    attention_bias=True, norm_topk_prob=False))
@@ -241,6 +249,7 @@ def test_moe_config_fields():
     assert ModelConfig.from_hf(_raw("Qwen3ForCausalLM")).moe is None
 
 
+@pytest.mark.fast
 def test_engine_refuses_unsupported_moe_checkpoint_at_load(model_dirs, tmp_path):
     from pdserve import Engine
 
@@ -269,6 +278,7 @@ def _edited_checkpoint(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name,edit,match", [
     ("qwen3_moe", lambda t: t.update({"model.layers.0.mlp.shared_expert.gate_proj.weight": torch.zeros(32, 64)}),
      r"unexpected tensors \(1\): model.layers.0.mlp.shared_expert.gate_proj.weight"),
@@ -288,6 +298,7 @@ def test_checkpoint_tensors_are_checked_by_name(model_dirs, tmp_path, name, edit
         build_model(lambda: model_class(cfg)(cfg, TPGroup()), d, "cpu", torch.float32)
 
 
+@pytest.mark.fast
 def test_expert_weights_land_in_their_fused_slots(model_dirs):
     """Rank 1 of 2 holds the second half of expert e's gate, then of its up, and the second
     half of its down projection's input columns (Mixtral names: w1 gate, w3 up, w2 down)."""

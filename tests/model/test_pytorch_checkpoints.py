@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from pdserve.model.loader import WeightLoadError, checkpoint_files, load_torch_checkpoint
 from pdserve.testing import build_random_draft, build_random_model
 
+pytestmark = pytest.mark.fast
+
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 PROMPTS = [[5, 6, 7], [9, 30, 31, 32, 33, 40, 41], [12] * 20]
 

@@ -14,6 +14,8 @@ from pdserve.scheduler import batch as batch_mod
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.speculative.decoding import DrawView
 
+pytestmark = pytest.mark.fast
+
 
 def make_info(rows: int, vocab: int, *, temperature=1.0, top_p=1.0, top_k=None, min_p=0.0,
               seeds=None, steps=None, penalties=None, banned=None) -> SamplingInfo:

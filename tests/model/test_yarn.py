@@ -11,6 +11,8 @@ from pdserve.model.model_config import ModelConfig, ModelConfigError
 from pdserve.testing import build_random_model
 from tests.conftest import GREEDY, hf_greedy, random_prompts
 
+pytestmark = pytest.mark.fast
+
 QWEN3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 SCALINGS = {
     "qwen3": QWEN3_YARN,

@@ -10,6 +10,7 @@ import pytest
 from pdserve.router.config import DEFAULT_BOOTSTRAP_PORT, ConfigError, from_cli
 
 
+@pytest.mark.fast
 def test_pd_flags_and_defaults():
     cfg = from_cli(["--pd-disaggregation", "--prefill", "http://10.0.0.1:30001", "9001",
                     "--prefill", "http://10.0.0.2:30001/", "--decode", "http://10.0.0.3:30002",
@@ -23,6 +24,7 @@ def test_pd_flags_and_defaults():
     assert none.prefill[0].bootstrap_port is None
 
 
+@pytest.mark.fast
 def test_policy_defaults_follow_policy_flag():
     cfg = from_cli(["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2",
                     "--policy", "power_of_two"])
@@ -34,6 +36,7 @@ def test_policy_defaults_follow_policy_flag():
 PD = ["--pd-disaggregation", "--prefill", "http://h:1", "--decode", "http://h:2", "--decode", "http://h:3"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("flags, prefill, decode", [
     # As SGLang's router: --policy is both roles' policy; a role's own flag overrides it.
     ([], "round_robin", "round_robin"),
@@ -48,6 +51,7 @@ def test_decode_policy_may_be_cache_aware(flags, prefill, decode):
     assert (cfg.prefill_policy, cfg.decode_policy) == (prefill, decode)
 
 
+@pytest.mark.fast
 def test_cache_aware_on_both_roles_builds_two_trees():
     from pdserve.router.app import create_app
     app = create_app(from_cli([*PD, "--policy", "cache_aware", "--cache-threshold", "0.4",
@@ -66,6 +70,7 @@ def test_cli_refuses_an_unknown_decode_policy():
     assert "--decode-policy" in r.stderr and "sticky" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("argv, flag", [
     (["--prefill", "http://h:1", "--decode", "http://h:2"], "--pd-disaggregation"),
     (["--pd-disaggregation", "--decode", "http://h:2"], "--prefill"),
@@ -103,6 +108,7 @@ def test_cli_exits_with_the_message():
     assert "--retries" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.fast
 def test_send_timeout_reaches_the_config():
     assert from_cli(["--worker-urls", "http://h:1"]).send_timeout == 60.0
     assert from_cli(["--worker-urls", "http://h:1", "--send-timeout", "2.5"]).send_timeout == 2.5

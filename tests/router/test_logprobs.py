@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.router.logprobs import merge_prompt_logprobs, results_by_index, wants_prompt_logprobs
+
+pytestmark = pytest.mark.fast
 
 
 def test_wants_prompt_logprobs():

@@ -5,8 +5,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import pytest
+
 from pdserve.router.policies import CacheAware, PowerOfTwo, RandomPolicy, RoundRobin, make_policy
 from pdserve.router.prefix_tree import PrefixTree
+
+pytestmark = pytest.mark.fast
 
 
 @dataclass

@@ -8,6 +8,8 @@ import pytest
 
 from pdserve.router.rooms import Shape, draw_rooms, leg_body, leg_rids, routing_key, shape_of
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize("route, body, samples, batched", [
     ("/v1/completions", {"prompt": "hi"}, (1,), False),

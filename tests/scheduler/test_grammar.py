@@ -20,6 +20,8 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.grammar import GrammarBackend, check_constraint
 from pdserve.testing import build_random_model
 
+pytestmark = pytest.mark.fast
+
 def assert_valid(out: dict[str, Any], schema: dict[str, Any]) -> None:
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out
     jsonschema.validate(json.loads(out["text"]), schema)

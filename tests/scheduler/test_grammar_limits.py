@@ -26,6 +26,8 @@ from pdserve.server.openai_requests import response_format_schema
 from pdserve.tokenizer import load_tokenizer
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.fast
+
 
 def nested_schema(levels: int) -> str:
     schema: dict[str, Any] = {"type": "integer"}

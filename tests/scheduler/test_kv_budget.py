@@ -11,8 +11,10 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.model.parallel import TPGroup
-from pdserve.scheduler.kv_manager import MemoryBudgetError, device_free_bytes, device_kv_budget, size_kv_pages
+from pdserve.scheduler.memory_budget import MemoryBudgetError, device_free_bytes, device_kv_budget, size_kv_pages
 from pdserve.scheduler.memory import TokenToKVPool
+
+pytestmark = pytest.mark.fast
 
 GIB = 1 << 30
 TOTAL, WEIGHTS = 80 * GIB, 16 * GIB

@@ -5,19 +5,23 @@ counts right (the pool returns to full), and shared pages are never written twic
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.config import ServerArgs
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.kv_manager import KVManager
+from pdserve.scheduler.kv_manager import KVManager, PoolGeometry
 from pdserve.scheduler.req import Req
 
+pytestmark = pytest.mark.fast
 
-def manager(llama_dir, page_size: int) -> KVManager:
-    args = ServerArgs(model_path=str(llama_dir), page_size=page_size, max_total_tokens=256)
-    runner = ModelRunner(args, llama_dir, TPGroup())
-    return KVManager(args, runner, 256 // page_size + 1, decode_room=1)
+
+def manager(page_size: int) -> KVManager:
+    """A KV manager on its pool geometry alone: no model, no runner."""
+    return KVManager(PoolGeometry(256 // page_size + 1, page_size, num_layers=2, num_kv_heads=2, head_dim=16,
+                                  kv_dtype=torch.float32, device=torch.device("cpu"), max_running_requests=32,
+                                  max_positions=1025))
 
 
 def req(ids: list[int]) -> Req:
@@ -31,8 +35,8 @@ def full(kv: KVManager) -> bool:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_reserve_hold_release_drop_returns_every_page(llama_dir, page_size):
-    kv = manager(llama_dir, page_size)
+def test_reserve_hold_release_drop_returns_every_page(page_size):
+    kv = manager(page_size)
     r = req(list(range(6, 16)))
     slots = kv.reserve(r, 10)
     assert len(set(slots)) == 10 and 0 not in slots and r.kv_len == 10
@@ -44,8 +48,8 @@ def test_reserve_hold_release_drop_returns_every_page(llama_dir, page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_fork_shares_full_pages_and_copies_the_partial_one(llama_dir, page_size):
-    kv = manager(llama_dir, page_size)
+def test_fork_shares_full_pages_and_copies_the_partial_one(page_size):
+    kv = manager(page_size)
     parent, child = req(list(range(6, 17))), req(list(range(6, 17)))
     parent.pending_forks = [child]
     kv.attach(parent, kv.match(parent.fill_ids[:-1]))
@@ -63,30 +67,30 @@ def test_fork_shares_full_pages_and_copies_the_partial_one(llama_dir, page_size)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_round_growth_is_per_request_assignment_in_one_upload(llama_dir, page_size):
-    """grow_rounds gives every request of a speculative round the slots assign gives it
-    alone (continuing a partial last page, then new pages), and trim_rounds gives back
+def test_round_growth_is_per_request_assignment_in_one_upload(page_size):
+    """open_rounds gives every request of a speculative round the slots assign gives it
+    alone (continuing a partial last page, then new pages), and close_rounds gives back
     exactly the pages past each kept length."""
     room = 12
     lengths = [8, 1, 13, 16, 5]
     slots_of = []
     for batched in (False, True):
-        kv = manager(llama_dir, page_size)
+        kv = manager(page_size)
         reqs = [req(list(range(6, 6 + n))) for n in lengths]
         for r, n in zip(reqs, lengths):
             kv.reserve(r, n)
         free = kv.memory_state()["kv_pages_free"]
         if batched:
-            new = kv.grow_rounds(reqs, room)
+            new = kv.open_rounds(reqs, room)
         else:
-            new = [kv.assign(r, r.kv_len, r.kv_len + room) for r in reqs]
+            new = [kv.open_rounds([r], room)[0] for r in reqs]  # one request at a time
         assert [len(p) for p in new] == [-(-(n + room) // page_size) - -(-n // page_size) for n in lengths]
         slots_of.append([kv.slots(r, 0, r.kv_len + room) for r in reqs])
         assert len({s for slots in slots_of[-1] for s in slots}) == sum(n + room for n in lengths)
         # Two positions of each round accepted: the pages past them go back.
         for r in reqs:
             r.kv_len += 2
-        kv.trim_rounds(reqs, lengths, new)
+        kv.close_rounds(reqs)
         kept = sum(-(-(n + 2) // page_size) - -(-n // page_size) for n in lengths)
         assert kv.memory_state()["kv_pages_free"] == free - kept
         for r in reqs:
@@ -95,10 +99,27 @@ def test_round_growth_is_per_request_assignment_in_one_upload(llama_dir, page_si
     assert slots_of[0] == slots_of[1]
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_releasing_a_request_mid_round_gives_back_the_round_pages(page_size):
+    """A request that ends while its round is open (a fault in the round's forward or
+    process) holds pages past its kv_len: release gives those back too."""
+    kv = manager(page_size)
+    reqs = [req(list(range(6, 6 + n))) for n in (7, 12)]
+    for r in reqs:
+        kv.reserve(r, r.fill_len)
+    kv.open_rounds(reqs, 9)
+    reqs[0].kv_len += 3  # it kept part of its round before the fault
+    for r in reqs:
+        kv.release(r, cache_kv=r is reqs[0])
+    assert full(kv)
+    kv.close_rounds(reqs)  # ended requests: nothing left to close
+    assert full(kv)
+
+
 def test_the_memory_budget_covers_the_draft_pools(tmp_path):
     """With a draft, the pool is sized so target KV, draft KV and target features of
     every slot fit the budget together (they are indexed by the same slots)."""
-    from pdserve.scheduler.kv_manager import size_kv_pages
+    from pdserve.scheduler.memory_budget import size_kv_pages
     from pdserve.scheduler.memory import TokenToKVPool
     from pdserve.scheduler.scheduler import Scheduler
     from pdserve.testing import build_random_draft, build_random_model
@@ -127,7 +148,7 @@ def test_the_device_budget_is_a_share_of_the_whole_device(caplog):
     """--mem-fraction-static is the share of the whole device for weights + KV, so two
     servers sharing one GPU (0.4 each) get the same pools whichever starts first; an
     impossible share is refused with the flag's name."""
-    from pdserve.scheduler.kv_manager import MemoryBudgetError, device_kv_budget
+    from pdserve.scheduler.memory_budget import MemoryBudgetError, device_kv_budget
 
     gib = 1 << 30
     total, weights = 80 * gib, 2 * gib

@@ -7,6 +7,8 @@ import torch
 
 from pdserve.scheduler.memory import OutOfPages, PageAllocator, ReqToTokenPool, TokenToKVPool
 
+pytestmark = pytest.mark.fast
+
 
 # ---- PageAllocator ---------------------------------------------------------------
 def test_allocator_needs_two_pages():

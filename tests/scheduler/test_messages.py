@@ -15,6 +15,8 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import Bootstrap, Command, NewRequest
 from pdserve.scheduler.req import samples_from_message
 
+pytestmark = pytest.mark.fast
+
 OPENAI = ApiFields(max_new_tokens="max_tokens", min_new_tokens="min_tokens")
 
 

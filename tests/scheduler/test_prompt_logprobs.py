@@ -10,6 +10,8 @@ import torch
 
 from tests.conftest import GREEDY, random_prompts
 
+pytestmark = pytest.mark.fast
+
 PROMPTS = random_prompts(3, 20, 60, seed=5)
 TOP = 3
 

@@ -15,6 +15,8 @@ import torch
 from pdserve.scheduler.memory import PageAllocator
 from pdserve.scheduler.radix_cache import ChunkCache, RadixCache
 
+pytestmark = pytest.mark.fast
+
 PAGE_SIZES = [1, 4]
 
 

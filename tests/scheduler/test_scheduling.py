@@ -6,6 +6,8 @@ import pytest
 
 from tests.conftest import GREEDY, random_prompts
 
+pytestmark = pytest.mark.fast
+
 NEW = 24
 PROMPTS = random_prompts(6, 5, 120, seed=11)
 
@@ -76,7 +78,7 @@ def test_retraction_under_small_kv_budget_keeps_output(page_size, reference, mak
     engine, outs = run(make_engine, llama_dir, page_size=ps, max_total_tokens=pages * ps)
     assert [o["output_ids"] for o in outs] == reference
     assert sum(o["meta_info"]["retractions"] for o in outs) > 0
-    assert engine._scheduler.num_retractions > 0
+    assert engine._scheduler.queues.num_retractions > 0
 
 
 def test_lpm_policy_same_tokens(reference, make_engine, llama_dir):

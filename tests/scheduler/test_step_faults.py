@@ -18,6 +18,8 @@ from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.worker import serve
 from tests.conftest import GREEDY, random_prompts
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture
 def sched(llama_dir):
@@ -98,14 +100,14 @@ class ScriptedIO:
 
 
 def test_a_step_failing_outside_every_guard_ends_each_live_request_once(sched, monkeypatch):
-    real, steps = sched.poll_external, []
+    real, steps = sched.mode.poll_external, []
 
     def poll_external(out):
         steps.append(1)
         if len(steps) == 2:
             raise RuntimeError("bookkeeping bug")
         return real(out)
-    monkeypatch.setattr(sched, "poll_external", poll_external)
+    monkeypatch.setattr(sched.mode, "poll_external", poll_external)
     io = ScriptedIO([Command(add=tuple(messages(3)))])
     serve(sched, TPGroup(), io)
     assert sorted(r.rid for r in io.finished) == ["r0", "r1", "r2"]

@@ -52,6 +52,7 @@ def make_wheel(folder: Path, name: str, version: str, requires: list[str] = (), 
 
 # --- markers and the image ------------------------------------------------------------
 
+@pytest.mark.fast
 @pytest.mark.parametrize("text, version, extras, expected", [
     ('typing-extensions>=4.10.0; python_version < "3.13"', "3.12", (), True),
     ('typing-extensions>=4.10.0; python_version < "3.13"', "3.13", (), False),
@@ -68,6 +69,7 @@ def test_markers_are_evaluated_for_the_target(text, version, extras, expected):
     assert gw.applies(Requirement(text), gw.target_environment(version), extras) is expected
 
 
+@pytest.mark.fast
 def test_target_python_versions():
     assert ENV_312["python_full_version"] == "3.12.3" and ENV_312["python_version"] == "3.12"
     assert gw.target_environment("3.11")["python_full_version"] == "3.11.0"
@@ -76,6 +78,7 @@ def test_target_python_versions():
         gw.target_environment("3")
 
 
+@pytest.mark.fast
 def test_image_list_parses_with_versions_where_known():
     image = gw.read_image_list()
     assert str(image["torch"]).startswith("2.11.0") and str(image["numpy"]) == "2.5.2"
@@ -84,6 +87,7 @@ def test_image_list_parses_with_versions_where_known():
         assert absent not in image
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name, spec, provided, why", [
     ("fastapi", ">=0.110", False, "not in the image"),
     ("torch", ">=2.5", True, "the image has 2.11.0+cu130"),  # a local label satisfies >=
@@ -97,6 +101,7 @@ def test_what_the_image_provides(name, spec, provided, why):
     assert got is provided and why in reason
 
 
+@pytest.mark.fast
 def test_pins_are_checked_against_the_requirement():
     assert gw.pinned_spec(Requirement("fastapi>=0.110")) == "fastapi==0.165.0"
     assert gw.pinned_spec(Requirement("Some_Lib>=1")) == "some-lib>=1"
@@ -104,6 +109,7 @@ def test_pins_are_checked_against_the_requirement():
         gw.pinned_spec(Requirement("fastapi<0.100"))
 
 
+@pytest.mark.fast
 def test_roots_are_pdserves_dependencies_and_mooncake():
     names = {gw.canonicalize_name(r.name) for r in gw.root_requirements()}
     assert {"torch", "fastapi", "uvicorn", "pyzmq", "xgrammar", gw.MOONCAKE} <= names
@@ -140,6 +146,7 @@ def resolve(roots: list[str], tmp_path: Path, image: dict | None = None):
     return gw.resolve_wheels([Requirement(r) for r in roots], image, ENV_312, staging, "3.12", gw.PLATFORMS)
 
 
+@pytest.mark.fast
 def test_resolution_follows_requires_dist_for_the_target(fake_index, tmp_path, monkeypatch):
     monkeypatch.setattr(gw, "PINS", {"web": "1.0"})
     fake_index.update({
@@ -157,18 +164,21 @@ def test_resolution_follows_requires_dist_for_the_target(fake_index, tmp_path, m
     assert "anyio>=4  # web 1.0" in gw.image_requires_text(res)
 
 
+@pytest.mark.fast
 def test_extras_pull_their_requirements(fake_index, tmp_path):
     fake_index.update({"web": [("1.0", ['sdk>=1; extra == "otel"'])], "sdk": [("1.5", [])]})
     res = resolve(["web[otel]"], tmp_path)
     assert set(res.carried) == {"web", "sdk"}
 
 
+@pytest.mark.fast
 def test_a_requirement_nobody_provides_is_refused(fake_index, tmp_path):
     fake_index.update({"web": [("1.0", ["ghost>=1"])]})
     with pytest.raises(gw.ResolveError, match=r"ghost>=1 \(required as: web 1.0 requires ghost>=1\)"):
         resolve(["web"], tmp_path)
 
 
+@pytest.mark.fast
 def test_two_versions_of_one_package_are_refused(fake_index, tmp_path):
     fake_index.update({"a": [("1.0", ["c>=2"])], "b": [("1.0", ["deep"])], "deep": [("1.0", ["c<2"])],
                        "c": [("1.0", []), ("2.0", [])]})
@@ -176,6 +186,7 @@ def test_two_versions_of_one_package_are_refused(fake_index, tmp_path):
         resolve(["a", "b"], tmp_path)
 
 
+@pytest.mark.fast
 def test_an_image_version_too_old_is_carried(fake_index, tmp_path):
     fake_index.update({"numpy": [("2.3.0", [])]})
     res = resolve(["numpy<2.4"], tmp_path)
@@ -184,6 +195,7 @@ def test_an_image_version_too_old_is_carried(fake_index, tmp_path):
 
 # --- refusals on the folder -----------------------------------------------------------
 
+@pytest.mark.fast
 def test_one_version_per_package_in_the_folder(tmp_path):
     ok = [tmp_path / "pydantic_core-2.50.5-cp312-cp312-manylinux_2_17_x86_64.whl",
           tmp_path / "pydantic-2.14.4-py3-none-any.whl", tmp_path / "libcurl4_7.88.1_amd64.deb", tmp_path / "MANIFEST.txt"]
@@ -194,6 +206,7 @@ def test_one_version_per_package_in_the_folder(tmp_path):
         gw.check_one_version([*ok, tmp_path / "libcurl4_8.5.0_amd64.deb"])
 
 
+@pytest.mark.fast
 def test_the_travel_size_is_capped():
     mib = 1024 * 1024
     gw.check_travel_size(40 * mib, 24 * mib)
@@ -206,6 +219,7 @@ def test_tree_bytes_counts_what_git_sends():
     assert 1 * 1024 * 1024 < gw.tree_bytes() < gw.TRAVEL_LIMIT_BYTES
 
 
+@pytest.mark.fast
 def test_manifest_lists_each_file_its_size_and_why(tmp_path):
     whl = make_wheel(tmp_path, "fastapi", "0.165.0")
     deb = tmp_path / "libcurl4_7.88.1_amd64.deb"
@@ -226,6 +240,7 @@ def test_manifest_lists_each_file_its_size_and_why(tmp_path):
 
 # --- Mooncake's wheel -----------------------------------------------------------------
 
+@pytest.mark.fast
 def test_slim_mooncake_drops_the_unused_binaries_and_libraries(tmp_path):
     libs = "mooncake_transfer_engine_non_cuda.libs"
     wheel = make_wheel(tmp_path, gw.MOONCAKE, "0.3.13.post1", files={

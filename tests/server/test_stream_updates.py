@@ -24,7 +24,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.messages import NewRequest
 from pdserve.server import ipc
 from pdserve.server.drain import QueueLimit, Refused
-from pdserve.server.http_front import protocol_class
+from pdserve.server.http_connection import protocol_class
 from pdserve.server.messages import TextUpdate, TokenUpdate
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.tokenizer_manager import RequestState, SampleResult, TokenizerManager, Updates

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from pdserve.speculative.decoding import accept_on_device
 from pdserve.speculative.eagle_worker import EagleWorker
+
+pytestmark = pytest.mark.fast
 
 
 def random_tree(rng: random.Random, nodes: int, vocab: int) -> tuple[list[int], list[int], list[int]]:

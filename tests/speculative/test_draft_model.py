@@ -21,6 +21,8 @@ from pdserve.speculative.draft_model import DraftConfig, DraftConfigError, Eagle
 from pdserve.speculative.reference import DraftHead, target_pass
 from pdserve.testing import build_random_draft, build_random_model
 
+pytestmark = pytest.mark.fast
+
 T = 24
 
 

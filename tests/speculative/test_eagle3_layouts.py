@@ -28,6 +28,8 @@ from pdserve.testing import build_random_draft, build_random_model, convert_eagl
 from tests.speculative.test_draft_model import DraftRun
 from tests.speculative.test_eagle_engine import assert_state_equals_fresh_prefill, prompts
 
+pytestmark = pytest.mark.fast
+
 T = 20
 GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
 

@@ -18,6 +18,8 @@ from pdserve.scheduler.req import samples_from_message
 from pdserve.speculative.eagle_worker import DraftTree
 from pdserve.testing import build_random_draft, build_random_model
 
+pytestmark = pytest.mark.fast
+
 SHAPES = [(3, 1, 4), (5, 4, 8), (4, 3, 12), (6, 2, 10)]
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
@@ -103,7 +105,7 @@ def test_retraction_n_samples_logprobs_and_stops(make_engine, target, drafts):
     engine = make_engine(target, max_total_tokens=prompt_tokens + len(ps) * 5 + growth // 4,
                          **spec(drafts, "EAGLE", (3, 2, 5)))
     assert ids_of(engine.generate(input_ids=ps, sampling_params=params)) == ids_of(ref)
-    assert engine._scheduler.num_retractions > 0
+    assert engine._scheduler.queues.num_retractions > 0
     # n > 1 (seeded sampling), logprobs and stop conditions: identical to plain decoding.
     cases = [
         ({"temperature": 1.0, "n": 3, "seed": 11, "max_new_tokens": 20, "ignore_eos": True}, False, 0),

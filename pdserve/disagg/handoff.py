@@ -1,12 +1,15 @@
-"""What the prefill and decode schedulers share: one record per PD request, the
-table of them, the TP ranks' agreement on their rooms, and the KV layout this rank
-publishes for transfers.
+"""What the prefill and decode sides share: one record per PD request, the table of
+them, the TP ranks' agreement on their rooms, and the KV layout this rank publishes
+for transfers.
 
-A disaggregated request (one sample: every sample has its own room) is a
-``Handoff`` from the moment the scheduler accepts it until it holds nothing any
-more: its room, its phase, and what the phase needs (the prefill server's address,
-the positions already queued for transfer, the pages held after a failure). The
-scheduler's queues (waiting, running) hold only the ``Req`` while it computes.
+A disaggregated request (one sample: every sample has its own bootstrap room) is a
+``Handoff`` while its side of the protocol still has work with it: its room, its
+phase, and what the phase needs (the prefill server's address, the positions already
+queued for transfer, the pages held after a failure). On a prefill server that is
+until its room ends (the transfer succeeded or failed). On a decode server it is
+until the commit (from then on the request is decoded from the scheduler's queues
+like any other), or, after a failure, until its quarantined pages are freed. The
+phases are the side's own steps, named apart from the room's ``RoomState``.
 
 On a prefill server the samples of one request (n > 1) share one prompt
 computation: the first live sample carries the others as ``pending_forks`` (they
@@ -38,14 +41,14 @@ logger = logging.getLogger(__name__)
 
 class Phase(enum.Enum):
     # prefill server
-    BOOTSTRAPPING = "bootstrapping"  # waiting for decode to say where the KV goes
+    AWAITING_DESTINATION = "awaiting_destination"  # waiting for decode to say where the KV goes
     COMPUTING = "computing"          # being prefilled (waiting or chunked); KV sent as it is written
     INFLIGHT = "inflight"            # first token drawn, record queued behind the last write
     AWAITING_PROMPT = "awaiting_prompt"  # n > 1: another sample of the request computes the prompt
     FORKED = "forked"                # n > 1: forked with its first token; waits for decode's room
     # decode server
     QUEUED = "queued"                # connecting to its prefill server / waiting for KV room
-    TRANSFERRING = "transferring"    # KV reserved and asked for; waiting for the record
+    RECEIVING = "receiving"          # KV reserved and asked for; waiting for the record
     QUARANTINED = "quarantined"      # failed; its pages wait until no write can still land
 
 
@@ -149,7 +152,7 @@ def split_samples(sched: "Scheduler", req: Req) -> list[Req]:
     req.pending_forks = []
     for s in samples:
         s.finish = FinishReason(FinishKind.LENGTH)
-    sched.ending += samples
+    sched.queues.ending.extend(samples)
     return []
 
 
@@ -173,25 +176,23 @@ def transfer_staging(sched: "Scheduler", engine: TransferEngine) -> HostStaging 
     return HostStaging() if mode == "host" else None
 
 
-def buffer_spec(sched: "Scheduler", name: str, t: torch.Tensor, heads: HeadRange | None = None) -> BufferSpec:
+def buffer_spec(name: str, t: torch.Tensor, staging: HostStaging | None, heads: HeadRange | None = None) -> BufferSpec:
     """A transfer buffer as the engine sees it: ``t`` itself, or its host twin."""
-    staging: HostStaging | None = getattr(sched, "staging", None)
     if staging is not None:
         t = staging.twin(name, t)
     return BufferSpec(name, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size(), heads)
 
 
-def kv_layout(sched: "Scheduler", with_features: bool) -> KVLayout:
+def kv_layout(sched: "Scheduler", staging: HostStaging | None, with_features: bool) -> KVLayout:
     """The named buffers of this rank: target KV (head-sharded) and, with a draft,
-    the target-feature pool (one row per slot)."""
+    the target-feature pool (one row per slot); their host twins when staged."""
     heads = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
     kv = sched.kv.kv_pool.buffers()
     features = {"features": sched.spec.features} if with_features and sched.spec is not None else {}
-    staging: HostStaging | None = getattr(sched, "staging", None)
     if staging is not None:  # all twins at once: the host must hold them together
         staging.twins({**kv, **features})
-    specs = [buffer_spec(sched, name, t, heads) for name, t in kv.items()]
-    specs += [buffer_spec(sched, name, t) for name, t in features.items()]
+    specs = [buffer_spec(name, t, staging, heads) for name, t in kv.items()]
+    specs += [buffer_spec(name, t, staging) for name, t in features.items()]
     return KVLayout(sched.page_size, tuple(specs))
 
 

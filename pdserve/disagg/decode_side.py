@@ -1,9 +1,9 @@
-"""The decode server's scheduler: reserves KV, receives it, decodes.
+"""The decode side of a disaggregated scheduler: reserves KV, receives it, decodes.
 
 A request (each sample in its own room) is QUEUED while its prefill server is
 connected in the background and until the pool can hold its prompt plus growth
 (it queues, not fails, when the pool is full). It then reserves KV for its whole
-prompt, asks the prefill server for it and is TRANSFERRING until the handoff
+prompt, asks the prefill server for it and is RECEIVING until the handoff
 record arrives; it joins the running batch with the first token from the record
 and decodes like any colocated request (retracted under memory pressure,
 recomputed later). With speculative decoding the prefill server also sends the
@@ -36,10 +36,11 @@ from pdserve.disagg.rooms import RoomState
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.admission import too_big
-from pdserve.scheduler.batch import Draws, StepOutput
-from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
-                                       kv_layout, register_buffers, split_samples, transfer_staging)
+from pdserve.scheduler.batch import Draws, Gain, StepOutput
+from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
+                                    kv_layout, register_buffers, split_samples, transfer_staging)
 from pdserve.scheduler.kv_manager import pages_for
+from pdserve.scheduler.mode import Mode
 from pdserve.scheduler.radix_cache import PrefixMatch
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
@@ -47,25 +48,38 @@ from pdserve.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
-class DecodeScheduler(Scheduler):
-    def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
-                 engine: object, fetch_ranks: Callable[[str], list[P.RankInfo]], tp: TPGroup = TPGroup(),
-                 host: str = "127.0.0.1", link: LinkConfig = LinkConfig()) -> None:
-        super().__init__(args, runner, decode_text, tp)
-        self.staging = transfer_staging(self, engine)  # type: ignore[arg-type]
-        layout = kv_layout(self, with_features=True)
+def decode_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
+                     engine: object, fetch_ranks: Callable[[str], list[P.RankInfo]], tp: TPGroup = TPGroup(),
+                     host: str = "127.0.0.1", link: LinkConfig = LinkConfig()) -> Scheduler:
+    """A scheduler with the decode side composed in (``.mode``)."""
+    core = Scheduler(args, runner, decode_text, tp)
+    core.mode = DecodeSide(core, engine, fetch_ranks, tp, host, link)
+    return core
+
+
+class DecodeSide(Mode):
+    """The decode server's hooks in its scheduler (``core``, which it was built for)."""
+    name = "decode"
+
+    def __init__(self, core: Scheduler, engine: object, fetch_ranks: Callable[[str], list[P.RankInfo]],
+                 tp: TPGroup, host: str, link: LinkConfig) -> None:
+        super().__init__(core.queues)
+        self.core = core
+        runner = core.runner
+        self.staging = transfer_staging(core, engine)  # type: ignore[arg-type]
+        layout = kv_layout(core, self.staging, with_features=True)
         register_buffers(engine, layout)
-        self.manager = DecodeTransferManager(engine, compat_record(self), layout, tp.rank, tp.size,  # type: ignore
+        self.manager = DecodeTransferManager(engine, compat_record(core), layout, tp.rank, tp.size,  # type: ignore
                                              list(layout.names), host=host, cfg=link,
-                                             feature_layers=self.spec.capture_layers if self.spec else ())
+                                             feature_layers=self.core.spec.capture_layers if self.core.spec else ())
         self.fetch_ranks = fetch_ranks
         self.handoffs = HandoffTable(tp)
         self._hold_decode = False  # this step committed first tokens: publish them before decoding
         # What one transferred prompt position brings to this rank: its KV (and draft feature).
-        self.bytes_per_position = self.kv.kv_pool.bytes_per_token(
+        self.bytes_per_position = self.core.kv.kv_pool.bytes_per_token(
             runner.config.num_layers, runner.num_local_kv_heads, runner.config.head_dim, runner.kv_dtype)
-        if self.spec is not None:
-            self.bytes_per_position += self.spec.features.shape[1] * self.spec.features.element_size()
+        if self.core.spec is not None:
+            self.bytes_per_position += self.core.spec.features.shape[1] * self.core.spec.features.element_size()
         # Committed (KV and first token in) but their grammar still compiling: they join
         # the running batch once it is ready (poll_external), in arrival order.
         self.parked: list[Req] = []
@@ -74,8 +88,7 @@ class DecodeScheduler(Scheduler):
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        self.constrain(req)
-        samples = split_samples(self, req)
+        samples = split_samples(self.core, req)
         if not samples:
             return
         for s in samples:
@@ -89,32 +102,33 @@ class DecodeScheduler(Scheduler):
         for room in rooms:
             if room in self.handoffs or rooms.count(room) > 1:
                 raise ValueError(f"bootstrap_room: {room} is already in use by a live request")
-        urls = [bootstrap_url(s.bootstrap_host, s.bootstrap_port, self.args.disaggregation_allowed_prefill)
+        urls = [bootstrap_url(s.bootstrap_host, s.bootstrap_port, self.core.args.disaggregation_allowed_prefill)
                 for s in samples]
         req.pending_forks = []  # (only now: if add() raises, the caller fails every sample)
         for sample, url in zip(samples, urls):
             self.manager.request_connect(url, functools.partial(self.fetch_ranks, url))
             self.handoffs.add(Handoff(sample, sample.bootstrap_room, Phase.QUEUED, peer_url=url))  # type: ignore
 
-    def abort(self, rid: str, message: str = "aborted by the client") -> list[Req]:
+    def abort(self, rid: str, reason: FinishReason) -> list[Req]:
+        message = reason.message or "aborted"
         out = []
         for h in self.handoffs:
             if h.req.rid != rid:
                 continue
             if h.phase is Phase.QUEUED:
                 self.handoffs.remove(h)
-                out += self.finish(h.req, FinishReason(FinishKind.ABORT, message=message))
-            elif h.phase is Phase.TRANSFERRING:
+                out += self.core.finish(h.req, FinishReason(FinishKind.ABORT, message=message))
+            elif h.phase is Phase.RECEIVING:
                 self.manager.abort(h.room, message)
                 out += self._quarantine(h, message, server_error=False)
         for req in [r for r in self.parked if r.rid == rid]:
             self.parked.remove(req)
-            out += self.finish(req, FinishReason(FinishKind.ABORT, message=message))
-        return out + super().abort(rid, message)
+            out += self.core.finish(req, FinishReason(FinishKind.ABORT, message=message))
+        return out + self.queues.abort(rid, reason)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.handoffs or self.parked) or super().has_work
+        return bool(self.handoffs or self.parked)
 
     # ---- step hooks -------------------------------------------------------------------
     def poll_external(self, out: StepOutput) -> None:
@@ -126,15 +140,15 @@ class DecodeScheduler(Scheduler):
             if h.phase is Phase.QUARANTINED and ready is Readiness.DONE:
                 self.handoffs.remove(h)
                 try:
-                    self.kv.drop(h.held_pages)  # type: ignore[arg-type]
+                    self.core.kv.drop(h.held_pages)  # type: ignore[arg-type]
                     self.manager.release(h.room)
                 except Exception:  # the request already ended; only its pages are at stake
                     logger.exception("room %d: releasing its quarantined pages failed", h.room)
         committed = self._unpark(out)
         for h, ready in agreed:
-            if h.phase is not Phase.TRANSFERRING or ready is Readiness.WAITING:
+            if h.phase is not Phase.RECEIVING or ready is Readiness.WAITING:
                 continue
-            with self.guarded([h.req], out, "committing the transfer"):
+            with self.core.guarded([h.req], out, "committing the transfer"):
                 if ready is Readiness.DONE:
                     self._commit(h, out)
                     committed = True
@@ -157,7 +171,7 @@ class DecodeScheduler(Scheduler):
         if h.phase is Phase.QUEUED:
             state = self.manager.connection(h.peer_url)[0]
             return {"ok": Readiness.DONE, "failed": Readiness.FAILED}.get(state, Readiness.WAITING)
-        if h.phase is Phase.TRANSFERRING:
+        if h.phase is Phase.RECEIVING:
             state = self.manager.poll(h.room)[0]
             return {RoomState.SUCCESS: Readiness.DONE, RoomState.FAILED: Readiness.FAILED}.get(
                 state, Readiness.WAITING)
@@ -166,10 +180,10 @@ class DecodeScheduler(Scheduler):
 
     def _admit_transfers(self, queued: list[tuple[Handoff, Readiness]], out: StepOutput) -> None:
         """Reserve KV for queued requests (prompt + growth) and ask for their KV."""
-        transferring = [h.req for h in self.handoffs if h.phase is Phase.TRANSFERRING]
-        reserve = self.growth_reserve(self.running + self.parked + transferring)
+        transferring = [h.req for h in self.handoffs if h.phase is Phase.RECEIVING]
+        reserve = self.core.growth.pages(self.core.running + self.parked + transferring)
         for h, ready in queued:
-            with self.guarded([h.req], out, "admitting the transfer"):
+            with self.core.guarded([h.req], out, "admitting the transfer"):
                 reserved = self._admit_one(h, ready, reserve, transferring, out)
                 if reserved is None:
                     break
@@ -183,7 +197,7 @@ class DecodeScheduler(Scheduler):
         if ready is Readiness.FAILED:
             state, reason = self.manager.connection(h.peer_url)
             self.handoffs.remove(h)
-            out.finished += self.finish(req, FinishReason(
+            out.finished += self.core.finish(req, FinishReason(
                 FinishKind.ABORT, message=str(reason) if state == "failed" else
                 f"cannot reach the prefill server at {h.peer_url} (on another tensor-parallel rank)",
                 server_error=True))
@@ -193,35 +207,35 @@ class DecodeScheduler(Scheduler):
         n = len(req.prompt_ids)
         prefix = self._cached_prefix(req)
         held = prefix.slots.numel() if prefix is not None else 0
-        need, growth = pages_for(n, self.page_size) - held // self.page_size, self.growth_reserve([req])
-        if self.kv.free_rows < 1 or need + growth > self.kv.available_pages - reserve:
+        need, growth = pages_for(n, self.core.page_size) - held // self.core.page_size, self.core.growth.pages([req])
+        if self.core.kv.free_rows < 1 or need + growth > self.core.kv.available_pages - reserve:
             if prefix is not None:
-                self.kv.unlock(prefix)
-            if not self.running and not transferring and need > self.kv.capacity:
+                self.core.kv.unlock(prefix)
+            if not self.core.running and not transferring and need > self.core.kv.capacity:
                 self.handoffs.remove(h)
-                out.finished += self.finish(req, too_big(need, self.kv.capacity))
+                out.finished += self.core.finish(req, too_big(need, self.core.kv.capacity))
                 return 0
             return None  # queue, do not fail: pages come back as requests finish
         # The slots are the request's from now on (released on any outcome); their KV
         # becomes valid when the record arrives. The cached prefix stays locked by the
         # request (no eviction between this handshake and the commit).
-        slots = self.kv.reserve(req, n, prefix)
+        slots = self.core.kv.reserve(req, n, prefix)
         h.first_position = held
         peers = self.manager.connection(h.peer_url)[1]
         assert isinstance(peers, list)  # every rank reported the connection up
-        h.phase = Phase.TRANSFERRING  # (before asking: a failure while asking quarantines the pages)
+        h.phase = Phase.RECEIVING  # (before asking: a failure while asking quarantines the pages)
         transferring.append(req)
-        self.manager.add_room(h.room, peers, slots, want_features=self.spec is not None, first_position=held)
+        self.manager.add_room(h.room, peers, slots, want_features=self.core.spec is not None, first_position=held)
         return growth
 
     def _cached_prefix(self, req: Req) -> PrefixMatch | None:
         """The longest prefix of ``req``'s prompt this server still caches (an earlier
         turn's prompt and answer), locked; None when nothing (or reuse is off)."""
-        if self.args.disable_decode_prefix_reuse:
+        if self.core.args.disable_decode_prefix_reuse:
             return None
-        match = self.kv.match(req.prompt_ids)
+        match = self.core.kv.match(req.prompt_ids)
         if match.slots.numel() == 0:
-            self.kv.unlock(match)
+            self.core.kv.unlock(match)
             return None
         return match
 
@@ -233,7 +247,7 @@ class DecodeScheduler(Scheduler):
         self.manager.release(h.room)
         req = h.req
         if self.staging is not None:  # the transfer filled the host twins: into the pool before any step
-            self.staging.stage_in(self.kv.slots(req, h.first_position, len(req.prompt_ids)))
+            self.staging.stage_in(self.core.kv.slots(req, h.first_position, len(req.prompt_ids)))
         req.cached_tokens = record.cached_tokens
         self.prefix_hit_tokens += h.first_position
         self.transfer_bytes += (len(req.prompt_ids) - h.first_position) * self.bytes_per_position
@@ -241,7 +255,7 @@ class DecodeScheduler(Scheduler):
         Draws([record.first_token], [record.logprob] if record.logprob is not None else None,
               [[lp for lp, _ in tops]] if tops else None, [[t for _, t in tops]] if tops else None).append_to(req, 0)
         if req.grammar is not None:
-            self.settle_grammars([req])
+            self.core.settle_grammars([req])
             if not req.grammar.ready:  # the KV beat the compile: wait here, holding it, not in the batch
                 self.parked.append(req)
                 return
@@ -251,12 +265,12 @@ class DecodeScheduler(Scheduler):
         """A request with its prompt KV, first token and (if constrained) grammar joins the
         running batch, or ends (its first token may end it; a failed grammar does)."""
         if req.grammar is not None and req.grammar.error is not None:
-            out.finished += self.finish(req, FinishReason(FinishKind.ABORT, message=req.grammar.error))
+            out.finished += self.core.finish(req, FinishReason(FinishKind.ABORT, message=req.grammar.error))
             return
-        self.settle(req, out, joining=True)
+        self.core.settle(Gain(req, self.core.stop_reason(req), joining=True), out)
         if req.finish is None:
             req.draft_len = 0
-            self.decoding.prefilled([req])  # the draft state, from the transferred features
+            self.core.decoding.prefilled([req])  # the draft state, from the transferred features
 
     def _unpark(self, out: StepOutput) -> bool:
         """Parked requests whose grammar is now ready (or failed, or past its deadline)
@@ -264,18 +278,18 @@ class DecodeScheduler(Scheduler):
         if not self.parked:  # (every step: nothing to build then)
             return False
         self.parked = [r for r in self.parked if r.finish is None]
-        self.settle_grammars(self.parked)  # (the same on every TP rank)
+        self.core.settle_grammars(self.parked)  # (the same on every TP rank)
         done = [r for r in self.parked if r.grammar.ready]
         for req in done:
             self.parked.remove(req)
-            with self.guarded([req], out, "joining the running batch"):
+            with self.core.guarded([req], out, "joining the running batch"):
                 self._join(req, out)
         return bool(done)
 
-    def fail_request(self, req: Req, message: str) -> list[Req]:
+    def fail_request(self, req: Req, message: str) -> list[Req] | None:
         h = self.handoffs.get(req.bootstrap_room)
-        if req.finish is None and h is not None and h.req is req:
-            if h.phase is Phase.TRANSFERRING:
+        if h is not None and h.req is req:
+            if h.phase is Phase.RECEIVING:
                 try:  # prefill may be writing into its pages: quarantine them as for any failure
                     self.manager.abort(h.room, f"internal error: {message}")
                     return self._quarantine(h, f"internal error: {message}")
@@ -284,26 +298,23 @@ class DecodeScheduler(Scheduler):
             self.handoffs.remove(h)
         if req in self.parked:
             self.parked.remove(req)
-        return super().fail_request(req, message)
+        return None  # the scheduler ends it
 
     def live_requests(self) -> list[Req]:
-        held = {id(r): r for r in super().live_requests()}
-        held.update({id(h.req): h.req for h in self.handoffs if h.req.finish is None})
-        held.update({id(r): r for r in self.parked if r.finish is None})
-        return list(held.values())
+        return [h.req for h in self.handoffs] + self.parked
 
     def _quarantine(self, h: Handoff, reason: str, server_error: bool = True) -> list[Req]:
         """End a request whose transfer failed; keep its pages out of use until no
         write of prefill's can still land there (or the transfer deadline passed)."""
-        h.held_pages = self.kv.hold(h.req, h.first_position)
-        h.release_at = time.monotonic() + self.args.disaggregation_transfer_timeout
+        h.held_pages = self.core.kv.hold(h.req, h.first_position)
+        h.release_at = time.monotonic() + self.core.args.disaggregation_transfer_timeout
         h.phase = Phase.QUARANTINED
-        return self.finish(h.req, FinishReason(FinishKind.ABORT, message=reason, server_error=server_error))
+        return self.core.finish(h.req, FinishReason(FinishKind.ABORT, message=reason, server_error=server_error))
 
     # ---- inspection -------------------------------------------------------------------
-    def state(self) -> dict[str, object]:
-        queued, transferring = self.handoffs.count(Phase.QUEUED), self.handoffs.count(Phase.TRANSFERRING)
-        return add_pd_state(super().state(), "decode", queued + len(self.parked), transferring, self.manager,
+    def state(self, base: dict[str, object]) -> dict[str, object]:
+        queued, transferring = self.handoffs.count(Phase.QUEUED), self.handoffs.count(Phase.RECEIVING)
+        return add_pd_state(base, "decode", queued + len(self.parked), transferring, self.manager,
                             queued=queued, transferring=transferring, grammar_parked=len(self.parked),
                             quarantined=self.handoffs.count(Phase.QUARANTINED),
                             transfer_bytes=self.transfer_bytes, prefix_hit_tokens=self.prefix_hit_tokens)

@@ -1,6 +1,6 @@
-"""The prefill server's scheduler: prefills, sends the KV, hands off, never decodes.
+"""The prefill side of a disaggregated scheduler: prefills, sends the KV, hands off, never decodes.
 
-A request (each sample in its own room) waits as BOOTSTRAPPING until decode has
+A request (each sample in its own room) waits as AWAITING_DESTINATION until decode has
 said where its KV goes; it is then prefilled like any other (radix cache on,
 chunked) as COMPUTING, and after every forward the KV of the positions it now
 holds is queued for transfer (a cached prefix is sent too: decode needs all of
@@ -38,9 +38,10 @@ from pdserve.disagg.staging import StagingMemoryError
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput
-from pdserve.scheduler.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
-                                       kv_layout, register_buffers, split_samples, transfer_staging)
-from pdserve.scheduler.kv_manager import MIN_HEADROOM_BYTES, device_free_bytes
+from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
+                                    kv_layout, register_buffers, split_samples, transfer_staging)
+from pdserve.scheduler.memory_budget import MIN_HEADROOM_BYTES, device_free_bytes
+from pdserve.scheduler.mode import Mode
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
 
@@ -58,23 +59,35 @@ class _FeatureRows:
         self.pool[dst] = self.pool[src]
 
 
-class PrefillScheduler(Scheduler):
-    decodes = False  # decode decides when a request ends; prefill only hands it off
+def prefill_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
+                      engine: object, tp: TPGroup = TPGroup(), host: str = "127.0.0.1",
+                      link: LinkConfig = LinkConfig()) -> Scheduler:
+    """A scheduler that never decodes, with the prefill side composed in (``.mode``)."""
+    core = Scheduler(args, runner, decode_text, tp, decodes=False)
+    core.mode = PrefillSide(core, engine, tp, host, link)
+    return core
 
-    def __init__(self, args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
-                 engine: object, tp: TPGroup = TPGroup(), host: str = "127.0.0.1",
-                 link: LinkConfig = LinkConfig()) -> None:
-        super().__init__(args, runner, decode_text, tp)
+
+class PrefillSide(Mode):
+    """The prefill server's hooks in its scheduler (``core``, which it was built for)."""
+    name = "prefill"
+    decodes = False  # decode decides when a request ends; prefill only hands it off
+    publishes_tokens = False  # the first token is handed off, not published
+
+    def __init__(self, core: Scheduler, engine: object, tp: TPGroup, host: str, link: LinkConfig) -> None:
+        super().__init__(core.queues)
+        self.core = core
+        runner = core.runner
         self.bootstrap: BootstrapServer | None = None  # rank 0 of a prefill server runs the registry
         # Features are published per decode peer (provide_features), not up front:
         # which layers they hold is the decode draft's choice.
-        self.staging = transfer_staging(self, engine)  # type: ignore[arg-type]
-        layout = kv_layout(self, with_features=False)
+        self.staging = transfer_staging(core, engine)  # type: ignore[arg-type]
+        layout = kv_layout(core, self.staging, with_features=False)
         register_buffers(engine, layout)
         self.engine = engine
         self._capture_lock = threading.Lock()
         ranges = [kv_head_range(runner.config.num_kv_heads, r, tp.size) for r in range(tp.size)]
-        self.manager = PrefillTransferManager(engine, compat_record(self), layout, tp.rank, ranges,  # type: ignore
+        self.manager = PrefillTransferManager(engine, compat_record(core), layout, tp.rank, ranges,  # type: ignore
                                               host=host, cfg=link, provide_features=self._provide_features)
         self.handoffs = HandoffTable(tp)
         self._features_registered = False
@@ -84,28 +97,28 @@ class PrefillScheduler(Scheduler):
         transfer manager's thread). A speculative prefill offers its own when the layers
         match; a plain prefill allocates one on first demand and then captures it in
         every forward."""
-        cfg = self.runner.config
+        cfg = self.core.runner.config
         with self._capture_lock:
-            if self.spec is not None:
-                mine = self.spec.capture_layers
+            if self.core.spec is not None:
+                mine = self.core.spec.capture_layers
                 if tuple(layers) != tuple(mine):
                     raise HandshakeError(f"decode's draft reads target features {list(layers) or 'final'}, this "
                                          f"prefill server's draft captures {list(mine) or 'final'}")
-                pool = self.spec.features
-            elif self.feature_sink is not None:
-                if tuple(layers) != self.feature_sink[0]:
+                pool = self.core.spec.features
+            elif self.core.feature_sink is not None:
+                if tuple(layers) != self.core.feature_sink[0]:
                     raise HandshakeError(f"this prefill server already captures target features "
-                                         f"{list(self.feature_sink[0]) or 'final'} for another decode server; "
+                                         f"{list(self.core.feature_sink[0]) or 'final'} for another decode server; "
                                          f"{list(layers) or 'final'} asked")
-                pool = self.feature_sink[1]
+                pool = self.core.feature_sink[1]
             else:
                 if any(not 1 <= i < cfg.num_layers for i in layers):
                     raise HandshakeError(f"decode asks for target layers {list(layers)} of a "
                                          f"{cfg.num_layers}-layer model")
                 width = cfg.hidden_size * max(1, len(layers))
                 pool = self._feature_pool(width)
-                self.feature_sink = (tuple(layers), pool)
-                self.kv.followers.append(_FeatureRows(pool))  # a fork's copied page keeps its features
+                self.core.feature_sink = (tuple(layers), pool)
+                self.core.kv.followers.append(_FeatureRows(pool))  # a fork's copied page keeps its features
             if self.staging is not None:
                 try:
                     pool = self.staging.twin("features", pool)
@@ -124,8 +137,8 @@ class PrefillScheduler(Scheduler):
         handshake: outside the memory budget sized at startup, so it must fit beside it
         (else the handshake is refused with the fix, rather than the server running out
         of device memory mid-step)."""
-        need = self.kv.num_slots * width * torch.empty(0, dtype=self.runner.dtype).element_size()
-        free = device_free_bytes(self.device)
+        need = self.core.kv.num_slots * width * torch.empty(0, dtype=self.core.runner.dtype).element_size()
+        free = device_free_bytes(self.core.device)
         if free is not None and need > free - MIN_HEADROOM_BYTES:
             raise HandshakeError(
                 f"decode's draft needs target features, {need / 2**30:.2f} GiB on this plain prefill server, "
@@ -133,7 +146,7 @@ class PrefillScheduler(Scheduler):
                 "--speculative-algorithm / --speculative-draft-model-path (its memory budget then holds the "
                 "features) or a lower --mem-fraction-static")
         try:
-            return torch.zeros(self.kv.num_slots, width, dtype=self.runner.dtype, device=self.device)
+            return torch.zeros(self.core.kv.num_slots, width, dtype=self.core.runner.dtype, device=self.core.device)
         except torch.OutOfMemoryError:
             raise HandshakeError(f"decode's draft needs target features, {need / 2**30:.2f} GiB that this "
                                  "prefill server's device cannot hold; start it with --speculative-algorithm / "
@@ -141,15 +154,14 @@ class PrefillScheduler(Scheduler):
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        self.constrain(req)
         if req.params.max_new_tokens == 0 and req.logprob_start_len >= 0:
             # Scoring a prompt (echo + logprobs, max_tokens 0): nothing crosses to decode
             # (it ends the request on arrival), but this server runs prompts, so it computes
             # their logprobs as a colocated server does; the router merges them into
             # decode's answer. No room is opened.
-            self.waiting.append(req)
+            self.core.waiting.append(req)
             return
-        samples = split_samples(self, req)
+        samples = split_samples(self.core, req)
         if not samples:
             return
         rooms = [s.bootstrap_room for s in samples]
@@ -170,10 +182,11 @@ class PrefillScheduler(Scheduler):
             raise ValueError(f"bootstrap_room: {exc}") from None
         # Sample 0 computes the prompt for all (its pending forks wait for it).
         for sample in samples:
-            phase = Phase.BOOTSTRAPPING if sample is req else Phase.AWAITING_PROMPT
+            phase = Phase.AWAITING_DESTINATION if sample is req else Phase.AWAITING_PROMPT
             self.handoffs.add(Handoff(sample, sample.bootstrap_room, phase))  # type: ignore[arg-type]
 
-    def abort(self, rid: str, message: str = "aborted by the client") -> list[Req]:
+    def abort(self, rid: str, reason: FinishReason) -> list[Req]:
+        message = reason.message or "aborted"
         out = []
         for h in self.handoffs:
             if h.req.rid == rid:
@@ -182,7 +195,7 @@ class PrefillScheduler(Scheduler):
             if h.req.rid == rid and h.phase is not Phase.COMPUTING:
                 self.manager.abort(h.room, message)
                 out += self._end(h, FinishReason(FinishKind.ABORT, message=message))
-        for req in super().abort(rid, message):  # the computing ones
+        for req in self.queues.abort(rid, reason):  # the computing ones
             h = self.handoffs.get(req.bootstrap_room)
             if h is not None:
                 self.manager.abort(h.room, message)
@@ -192,7 +205,7 @@ class PrefillScheduler(Scheduler):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.handoffs) or super().has_work
+        return bool(self.handoffs)
 
     # ---- step hooks -------------------------------------------------------------------
     def poll_external(self, out: StepOutput) -> None:
@@ -201,23 +214,23 @@ class PrefillScheduler(Scheduler):
             if room not in self.handoffs:  # opened by decode's request alone, then aborted or expired
                 self.manager.release(room)
         for h, ready in self.handoffs.agree(self._readiness):
-            with self.guarded([h.req], out, "handoff"):
+            with self.core.guarded([h.req], out, "handoff"):
                 self._advance(h, ready, out)
 
     def _advance(self, h: Handoff, ready: Readiness, out: StepOutput) -> None:
         if ready is Readiness.FAILED:
             if h.phase is Phase.COMPUTING:
-                if h.req is self.chunked:
-                    self.chunked = None
+                if h.req is self.core.chunked:
+                    self.core.chunked = None
                 else:
-                    self.waiting.remove(h.req)
+                    self.core.waiting.remove(h.req)
             elif h.phase is Phase.AWAITING_PROMPT:
                 self._detach(h.req)
             self._fail(h, out)
-        elif ready is Readiness.DONE and h.phase is Phase.BOOTSTRAPPING:
+        elif ready is Readiness.DONE and h.phase is Phase.AWAITING_DESTINATION:
             h.bootstrapped = True
             h.phase = Phase.COMPUTING
-            self.waiting.append(h.req)
+            self.core.waiting.append(h.req)
         elif ready is Readiness.DONE and h.phase is Phase.AWAITING_PROMPT:
             h.bootstrapped = True  # its KV is sent as soon as it is forked
         elif ready is Readiness.DONE and h.phase is Phase.FORKED:
@@ -225,10 +238,6 @@ class PrefillScheduler(Scheduler):
         elif ready is Readiness.DONE and h.phase is Phase.INFLIGHT:
             out.finished += self._end(h, FinishReason(FinishKind.LENGTH))
             out.advanced.append(h.req)
-
-    def settle(self, req: Req, out: StepOutput, joining: bool) -> None:
-        """The first token is the prefill server's whole output; the request stays out
-        of the client's view until decode has everything (commit hands it off)."""
 
     def commit(self, batch: ScheduledBatch | None, out: StepOutput) -> None:
         for req in out.finished:  # ended before any handoff (refused at admission, max_new_tokens 0)
@@ -243,11 +252,11 @@ class PrefillScheduler(Scheduler):
             h = self.handoffs.get(req.bootstrap_room)
             if h is None or req.finish is not None:
                 continue  # ended above
-            with self.guarded([req], out, "sending KV"):
+            with self.core.guarded([req], out, "sending KV"):
                 self._send_new_kv(h)
         for req in batch.sampling_reqs:
             if req.finish is None:
-                with self.guarded([req], out, "handing off"):
+                with self.core.guarded([req], out, "handing off"):
                     h = self.handoffs.get(req.bootstrap_room)
                     assert h is not None
                     if h.phase is Phase.AWAITING_PROMPT:  # forked from its carrier by this step
@@ -270,11 +279,11 @@ class PrefillScheduler(Scheduler):
         req = h.req
         if req.kv_len <= h.sent:
             return
-        slots = self.kv.slots(req, h.sent, req.kv_len)
+        slots = self.core.kv.slots(req, h.sent, req.kv_len)
         ready = None
         if self.staging is not None:
             self.staging.stage_out(slots)
-        elif self.device.type == "cuda":
+        elif self.core.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         self.manager.send(h.room, slots, h.sent, ready)
@@ -295,7 +304,7 @@ class PrefillScheduler(Scheduler):
         state = self.manager.status(h.room)[0]
         if state is RoomState.FAILED:
             return Readiness.FAILED
-        if h.phase in (Phase.BOOTSTRAPPING, Phase.AWAITING_PROMPT, Phase.FORKED):
+        if h.phase in (Phase.AWAITING_DESTINATION, Phase.AWAITING_PROMPT, Phase.FORKED):
             return Readiness.DONE if self.manager.ready(h.room) else Readiness.WAITING
         return Readiness.DONE if state is RoomState.SUCCESS else Readiness.WAITING
 
@@ -309,9 +318,9 @@ class PrefillScheduler(Scheduler):
         out.finished += self._end(h, FinishReason(FinishKind.ABORT, message=reason or "transfer failed",
                                                   server_error=True))
 
-    def fail_request(self, req: Req, message: str) -> list[Req]:
+    def fail_request(self, req: Req, message: str) -> list[Req] | None:
         h = self.handoffs.get(req.bootstrap_room)
-        if req.finish is None and h is not None and h.req is req:
+        if h is not None and h.req is req:
             if h.phase is Phase.AWAITING_PROMPT:
                 self._detach(req)
             self._promote(req)
@@ -321,16 +330,14 @@ class PrefillScheduler(Scheduler):
                 self.manager.release(h.room)
             except Exception:
                 logger.exception("room %d: ending it after an internal error failed", h.room)
-        return super().fail_request(req, message)
+        return None  # the scheduler ends it
 
     def live_requests(self) -> list[Req]:
-        held = {id(r): r for r in super().live_requests()}
-        held.update({id(h.req): h.req for h in self.handoffs})
-        return list(held.values())
+        return [h.req for h in self.handoffs]
 
     def _end(self, h: Handoff, reason: FinishReason) -> list[Req]:
         self._promote(h.req)  # its samples still waiting for the prompt live on
-        done = self.finish(h.req, reason)
+        done = self.core.finish(h.req, reason)
         self._forget(h)
         return done
 
@@ -340,7 +347,7 @@ class PrefillScheduler(Scheduler):
         admission gave them go back); returns them."""
         children, carrier.pending_forks = carrier.pending_forks, []
         for child in children:
-            self.kv.release(child, cache_kv=False)
+            self.core.kv.release(child, cache_kv=False)
         return children
 
     def _promote(self, carrier: Req) -> None:
@@ -354,16 +361,16 @@ class PrefillScheduler(Scheduler):
         assert h is not None and h.phase is Phase.AWAITING_PROMPT
         if h.bootstrapped:
             h.phase = Phase.COMPUTING
-            self.waiting.insert(0, heir)  # its request arrived before the ones queued behind
+            self.core.waiting.insert(0, heir)  # its request arrived before the ones queued behind
         else:
-            h.phase = Phase.BOOTSTRAPPING
+            h.phase = Phase.AWAITING_DESTINATION
 
     def _detach(self, child: Req) -> None:
         """A sample waiting for another's prompt ends on its own: off its carrier."""
         for h in self.handoffs:
             if child in h.req.pending_forks:
                 h.req.pending_forks.remove(child)
-                self.kv.release(child, cache_kv=False)
+                self.core.kv.release(child, cache_kv=False)
                 return
 
     def _forget(self, h: Handoff) -> None:
@@ -371,10 +378,10 @@ class PrefillScheduler(Scheduler):
         self.manager.release(h.room)
 
     # ---- inspection -------------------------------------------------------------------
-    def state(self) -> dict[str, object]:
-        booting = self.handoffs.count(Phase.BOOTSTRAPPING) + self.handoffs.count(Phase.FORKED)
+    def state(self, base: dict[str, object]) -> dict[str, object]:
+        booting = self.handoffs.count(Phase.AWAITING_DESTINATION) + self.handoffs.count(Phase.FORKED)
         awaiting, inflight = self.handoffs.count(Phase.AWAITING_PROMPT), self.handoffs.count(Phase.INFLIGHT)
-        return add_pd_state(super().state(), "prefill", booting + awaiting, inflight, self.manager,
+        return add_pd_state(base, "prefill", booting + awaiting, inflight, self.manager,
                             bootstrapping=booting, awaiting_prompt=awaiting, inflight=inflight,
                             transfer_bytes=self.manager.bytes_sent,
                             transfer_seconds=self.manager.transfer_seconds)

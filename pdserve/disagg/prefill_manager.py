@@ -1,0 +1,362 @@
+"""The prefill end of a room's handoff: ``PrefillTransferManager``.
+
+Split from ``manager.py`` (see there): the link (``link.py``) is shared, the two ends
+are not; each end's rooms, peers and threads are its own, and neither calls into the
+other except through messages. This end answers decode's handshakes (planning which of
+its buffers go where), collects one ``TransferRequest`` per decode rank of a room, and
+owns a transfer thread that performs the room's KV writes in order and then sends its
+handoff record. Schedulers call the non-blocking methods (``open`` / ``ready`` /
+``send`` / ``finish`` / ``abort`` / ``expire``); nothing they call waits on the network.
+
+Failures are per room and carry a reason: a write error fails that room only; a decode
+peer that misses heartbeats fails every room it was part of. A failed room's
+``WritesDone`` is sent only once this rank's transfer thread has no write for it queued
+or running: decode reuses the room's pages only after that word (an ``Abort`` only says
+the room failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from pdserve.disagg import protocol as P
+from pdserve.disagg.layout import (BufferSpec, CompatRecord, HandshakeError, HeadRange, KVLayout, TransferPlan,
+                                   check_compatible, plan_transfer)
+from pdserve.disagg.link import LinkConfig, _Link, _Side
+from pdserve.disagg.rooms import RoomError, RoomState, RoomTable
+from pdserve.disagg.transfer import TransferEngine, TransferError
+
+# The managers' messages keep the logger name they had before the split (log filters).
+logger = logging.getLogger("pdserve.disagg.manager")
+
+
+@dataclass
+class _DecodePeer:
+    handshake: P.Handshake
+    plan: TransferPlan
+    feature_plan: TransferPlan | None
+
+
+@dataclass
+class _PrefillRoom:
+    # One transfer request per decode rank (a TP-n decode server sends n); the room
+    # is ready once all of them arrived.
+    requests: dict[str, P.TransferRequest]
+    expected: int
+    pending: int = 0                       # queued writes not yet done
+    record: P.HandoffRecord | None = None  # set by finish(); sent once pending == 0
+    bytes_sent: int = 0
+    acked: bool = False                    # decode told that no write is left in flight
+    released: bool = False                 # the scheduler is done; drop once pending == 0
+
+
+class PrefillTransferManager(_Side):
+    def __init__(self, engine: TransferEngine, compat: CompatRecord, layout: KVLayout, tp_rank: int,
+                 head_ranges: Sequence[HeadRange] | None, host: str = "127.0.0.1",
+                 cfg: LinkConfig = LinkConfig(),
+                 provide_features: Callable[[tuple[int, ...], int], BufferSpec] | None = None) -> None:
+        """``provide_features(layers, width)``: called at a handshake that needs target
+        features this side does not publish; returns the (registered) buffer it will
+        fill, or raises HandshakeError."""
+        self.engine, self.compat, self.layout = engine, compat, layout
+        self._provide_features = provide_features
+        self.tp_rank, self.head_ranges = tp_rank, list(head_ranges) if head_ranges else None
+        self.rooms = RoomTable(cfg.deadlines)
+        self._peers: dict[str, _DecodePeer] = {}
+        self._by_addr: dict[str, str] = {}
+        self._rooms: dict[int, _PrefillRoom] = {}
+        self._failed: dict[int, tuple[str, float]] = {}  # released failed room -> (reason, until), oldest first
+        self._lock = threading.Lock()
+        self._work: queue.Queue[tuple[str, int, Any] | None] = queue.Queue()
+        self.bytes_sent = 0
+        self.transfer_seconds = 0.0
+        self._link = _Link(host, f"prefill{tp_rank}", cfg, self._receive, self._on_peer_dead, self._unsendable)
+        self._worker = threading.Thread(target=self._transfer_loop, name=f"prefill{tp_rank}-xfer", daemon=True)
+        self._worker.start()
+
+    def rank_info(self, tp_size: int, host: str) -> P.RankInfo:
+        port = int(self._link.addr.rsplit(":", 1)[1])
+        return P.RankInfo(self.tp_rank, tp_size, host, port, self.engine.session_id, self.compat, self.layout)
+
+    # ---- messages (I/O thread) ----------------------------------------------------
+    def _on_message(self, msg: Any) -> None:
+        if isinstance(msg, P.Handshake):
+            self._handshake(msg)
+        elif isinstance(msg, P.TransferRequest):
+            self._transfer_request(msg)
+        elif isinstance(msg, P.Abort):
+            self.rooms.fail(msg.room, f"aborted by decode: {msg.reason}", "aborted")
+            self._ack_if_idle(msg.room)
+
+    def _fail_touched(self, room: int, msg: Any, reason: str) -> None:
+        if self.rooms.fail(room, reason, "internal_error"):
+            self._tell(room, P.Abort(room, reason))
+        if isinstance(msg, P.TransferRequest):  # its sender may not be among the room's peers yet
+            with self._lock:
+                peer = self._peers.get(msg.decode_id)
+                known = msg.room in self._rooms and msg.decode_id in self._rooms[msg.room].requests
+            if peer is not None and not known:
+                self._link.send(peer.handshake.control_addr, P.Abort(room, reason))
+                self._link.send(peer.handshake.control_addr, P.WritesDone(room, self._link.addr))
+        self._ack_if_idle(room)
+
+    def _ack_if_idle(self, room: int, pr: _PrefillRoom | None = None) -> None:
+        """Tell decode a failed room's pages are safe to reuse once no write of ours
+        is queued or running for it any more (WritesDone; an Abort is no such word)."""
+        with self._lock:
+            pr = pr if pr is not None else self._rooms.get(room)
+            if pr is None or pr.pending or pr.acked:
+                return
+            if self.status(room)[0] is not RoomState.FAILED:
+                return
+            pr.acked = True
+        self._tell(room, P.WritesDone(room, self._link.addr), pr)
+
+    def _destinations(self, room: int, pr: _PrefillRoom | None = None
+                      ) -> list[tuple[_DecodePeer, P.TransferRequest]]:
+        """The decode ranks of a room that are still connected, with their requests."""
+        with self._lock:
+            pr = pr if pr is not None else self._rooms.get(room)
+            if pr is None:
+                return []
+            return [(self._peers[d], req) for d, req in pr.requests.items() if d in self._peers]
+
+    def _tell(self, room: int, msg: Any, pr: _PrefillRoom | None = None) -> None:
+        for peer, _ in self._destinations(room, pr):
+            self._link.send(peer.handshake.control_addr, msg)
+
+    def release(self, room: int) -> None:
+        """The scheduler is done with a room. A room whose writes are still queued or
+        running stays known to the transfer thread until they return (it then says
+        WritesDone for a failed room: decode waits for that before reusing pages)."""
+        state, reason = self.status(room)
+        with self._lock:
+            pr = self._rooms.get(room)
+            if pr is not None and pr.pending:
+                pr.released = True
+            else:
+                self._rooms.pop(room, None)
+            if state is RoomState.FAILED and self.rooms.get(room) is not None:
+                self._remember_failure(room, reason or "failed")
+        self.rooms.close_if_ended(room)
+
+    def _remember_failure(self, room: int, reason: str) -> None:
+        """Keep a released failed room's reason for as long as decode might still ask for
+        it (its transfer request can arrive late): it is answered at once instead of
+        opening a room nobody computes. Caller holds the lock."""
+        now = time.monotonic()
+        while self._failed and next(iter(self._failed.values()))[1] < now:
+            self._failed.pop(next(iter(self._failed)))
+        self._failed[room] = (reason, now + self.rooms.deadlines.waiting_for_input)
+
+    def _handshake(self, hs: P.Handshake) -> None:
+        try:
+            check_compatible(self.compat, hs.compat)
+            wanted = [n for n in hs.wanted if n != "features"]
+            plan = plan_transfer(self.layout, hs.layout, wanted, self.tp_rank, self.head_ranges)
+            feature_plan = None
+            if "features" in hs.wanted and self.tp_rank == 0:
+                # Features are the same on every rank (replicated hidden states): rank 0 sends them.
+                feature_plan = self._feature_plan(hs)
+        except HandshakeError as exc:
+            self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, False, str(exc)))
+            return
+        with self._lock:
+            self._peers[hs.decode_id] = _DecodePeer(hs, plan, feature_plan)
+            self._by_addr[hs.control_addr] = hs.decode_id
+        self._link.watch(hs.control_addr)
+        self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, True))
+
+    def _feature_plan(self, hs: P.Handshake) -> TransferPlan:
+        dst = hs.layout.by_name().get("features")
+        if dst is None:
+            raise HandshakeError("decode asks for features but publishes no features buffer")
+        src = self.layout.by_name().get("features")
+        if src is None:
+            if self._provide_features is None:
+                raise HandshakeError("decode needs target features but this prefill server captures none")
+            src = self._provide_features(tuple(hs.feature_layers), dst.slot_bytes)
+        return plan_transfer(KVLayout(self.layout.page_size, (src,)), hs.layout, ["features"])
+
+    def _transfer_request(self, req: P.TransferRequest) -> None:
+        with self._lock:
+            peer = self._peers.get(req.decode_id)
+        if peer is None:
+            logger.warning("transfer request for room %d from unknown decode %s", req.room, req.decode_id)
+            return
+        with self._lock:
+            failed = self._failed.get(req.room)
+        if failed is not None and failed[1] >= time.monotonic():  # prefill already failed it
+            self._link.send(peer.handshake.control_addr, P.Abort(req.room, failed[0]))
+            self._link.send(peer.handshake.control_addr, P.WritesDone(req.room, self._link.addr))
+            return
+        try:
+            # Fresh when decode asked before the prefill request arrived (which joins it).
+            _, fresh = self.rooms.open_or_join(req.room)
+        except RoomError as exc:
+            self._link.send(peer.handshake.control_addr, P.Abort(req.room, str(exc)))
+            return
+        with self._lock:
+            pr = self._rooms.get(req.room)
+            if pr is None or fresh:
+                pr = self._rooms[req.room] = _PrefillRoom({}, peer.handshake.tp_size)
+            pr.requests[req.decode_id] = req
+        self.rooms.advance(req.room, RoomState.WAITING_FOR_INPUT, only_from=RoomState.BOOTSTRAPPING)
+
+    def _on_peer_dead(self, addr: str) -> None:
+        with self._lock:
+            decode_id = self._by_addr.pop(addr, None)
+            if decode_id is None:
+                return
+            self._peers.pop(decode_id, None)
+            rooms = [r for r, pr in self._rooms.items() if decode_id in pr.requests]
+        self.rooms.fail_all(f"decode server {addr} stopped answering heartbeats", "peer_dead", rooms)
+
+    # ---- scheduler-facing ----------------------------------------------------------
+    def open(self, room: int) -> None:
+        """The prefill request of ``room`` arrived (it may precede or follow decode's)."""
+        self.rooms.open_or_join(room)  # decode's transfer request may have opened it first
+        with self._lock:
+            self._failed.pop(room, None)  # the number is in use again
+
+    def ready(self, room: int) -> bool:
+        """Decode said where the KV goes: the prefill may send."""
+        with self._lock:
+            pr = self._rooms.get(room)
+            known = pr is not None and len(pr.requests) >= pr.expected
+        r = self.rooms.get(room)
+        return known and r is not None and r.state in (RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING)
+
+    def send(self, room: int, src_slots: Sequence[int], first_position: int, ready: Any = None) -> None:
+        """Queue the write of prompt positions [first_position, +len(src_slots)) of ``room``;
+        ``ready`` (a CUDA event recorded after the forward that filled them) is waited
+        for before the write reads them."""
+        if self.rooms.get(room) is not None:  # rooms are only closed by this (the scheduler's) thread
+            self.rooms.advance(room, RoomState.TRANSFERRING, only_from=RoomState.WAITING_FOR_INPUT)
+        with self._lock:
+            pr = self._rooms.get(room)
+            if pr is None:
+                raise RuntimeError(f"room {room}: send() before decode's transfer request")
+            pr.pending += 1
+        self._work.put(("write", room, (list(src_slots), first_position, ready)))
+
+    def finish(self, room: int, record: P.HandoffRecord) -> None:
+        """The last chunk is queued: send the handoff record once all writes are done."""
+        self._work.put(("finish", room, record))
+
+    def status(self, room: int) -> tuple[RoomState, str | None]:
+        r = self.rooms.get(room)
+        if r is None:
+            return RoomState.FAILED, f"unknown room {room}"
+        return r.state, r.reason
+
+    def abort(self, room: int, reason: str) -> None:
+        if self.rooms.fail(room, reason, "aborted"):
+            self._tell(room, P.Abort(room, reason))
+        self._ack_if_idle(room)
+
+    def expire(self) -> list[int]:
+        """Fail rooms past their deadline; tell their decode servers."""
+        failed = self.rooms.expire()
+        for r in failed:
+            self._tell(r.room, P.Abort(r.room, r.reason or "timeout"))
+            self._ack_if_idle(r.room)
+        return [r.room for r in failed]
+
+    # ---- transfer thread ------------------------------------------------------------
+    def _transfer_loop(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            kind, room, arg = item
+            try:
+                if kind == "write":
+                    self._write(room, *arg)
+                else:
+                    self._finish(room, arg)
+            except Exception as exc:  # fail the room, keep the thread
+                logger.exception("room %d: sending the handoff record failed", room)
+                if self.rooms.fail(room, f"KV transfer failed: {exc}", "transfer_error"):
+                    self._tell(room, P.Abort(room, f"KV transfer failed: {exc}"))
+                self._ack_if_idle(room)
+
+    def _write(self, room: int, src_slots: list[int], first: int, ready: Any = None) -> None:
+        with self._lock:
+            pr = self._rooms.get(room)
+        if pr is None:
+            return
+        try:
+            state, _ = self.status(room)
+            if state is RoomState.FAILED:
+                return
+            if ready is not None:
+                ready.synchronize()  # the forward that wrote these slots has finished
+            for peer, request in self._destinations(room):
+                # Positions before first_position are in decode's cache already.
+                skip = max(0, request.first_position - first)
+                src = src_slots[skip:]
+                if not src:
+                    continue
+                start = first + skip - request.first_position
+                dst = request.dst_slots[start: start + len(src)]
+                if len(dst) != len(src):
+                    raise TransferError(f"positions {first}..{first + len(src_slots)} exceed the "
+                                        f"{request.first_position} + {len(request.dst_slots)} positions decode "
+                                        "holds and reserved")
+                t0 = time.perf_counter()
+                batch = peer.plan.writes(src, dst)
+                if request.want_features and peer.feature_plan is not None:
+                    extra = peer.feature_plan.writes(src, dst)
+                    batch = type(batch)(batch.src + extra.src, batch.dst + extra.dst,
+                                        batch.lengths + extra.lengths)
+                if not batch.src:
+                    continue  # this decode rank needs none of our heads
+                self.engine.write(peer.handshake.session_id, batch)
+                self.transfer_seconds += time.perf_counter() - t0
+                self.bytes_sent += batch.nbytes
+                pr.bytes_sent += batch.nbytes
+        except Exception as exc:  # fail the room (before the acknowledgement below), keep the thread
+            logger.exception("room %d: transfer failed", room)
+            self.rooms.fail(room, f"KV transfer failed: {exc}", "transfer_error")
+            self._tell(room, P.Abort(room, f"KV transfer failed: {exc}"), pr)
+        finally:
+            with self._lock:
+                pr.pending -= 1
+                drained = pr.released and not pr.pending
+                if drained and self._rooms.get(room) is pr:
+                    del self._rooms[room]
+            self._maybe_send_record(room)
+            if self.status(room)[0] is RoomState.FAILED or drained:
+                self._ack_if_idle(room, pr)
+
+    def _finish(self, room: int, record: P.HandoffRecord) -> None:
+        with self._lock:
+            pr = self._rooms.get(room)
+            if pr is None:
+                return
+            pr.record = record
+        self._maybe_send_record(room)
+
+    def _maybe_send_record(self, room: int) -> None:
+        with self._lock:
+            pr = self._rooms.get(room)
+            if pr is None or pr.record is None or pr.pending:
+                return
+            record, pr.record = pr.record, None
+        state, _ = self.status(room)
+        dests = self._destinations(room)
+        if state is not RoomState.TRANSFERRING or len(dests) < pr.expected:
+            return  # a decode rank went away: the room fails through its heartbeat
+        self._tell(room, P.HandoffRecord(**{**record.__dict__, "sender": self._link.addr}))
+        self.rooms.advance(room, RoomState.SUCCESS)
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._worker.join(5)
+        self._link.close()
