@@ -250,7 +250,6 @@ class RowParallelLinear(Linear):
         super().__init__()
         self.tp = tp
         self.what = what
-        self.full_in = in_features
         self.lo, self.hi = shard_range(in_features, tp.rank, tp.size, f"{what} input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.hi - self.lo))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None

@@ -148,9 +148,6 @@ class WorkerRegistry:
         self._started = False
         self._closing: set[asyncio.Task] = set()  # clients of discarded workers being closed
 
-    def of_role(self, role: str) -> list[Worker]:
-        return [w for w in self.workers if w.role == role]
-
     def healthy(self, role: str) -> list[Worker]:
         """The workers of `role` in rotation (healthy, and not being removed)."""
         return [w for w in self.workers if w.role == role and w.in_rotation]

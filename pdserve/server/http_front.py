@@ -69,10 +69,6 @@ def key_matches(given: bytes | None, key: str | None) -> bool:
     return hmac.compare_digest(given, b"Bearer " + key.encode())
 
 
-def is_admin(scope: Scope, admin_api_key: str | None) -> bool:
-    return key_matches(bearer(scope), admin_api_key)
-
-
 def is_loopback_client(scope: Scope) -> bool:
     """Whether the peer of the connection is a loopback address (127.0.0.0/8, ::1, or
     127.x as an IPv4-mapped IPv6 address). No peer address (not TCP) is not loopback."""

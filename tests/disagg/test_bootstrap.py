@@ -18,8 +18,6 @@ from pdserve.disagg.bootstrap import (AUTH_HEADER, REGISTRY_RECIPIENT, Bootstrap
                                       register_rank)
 from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, KVLayout
 
-pytestmark = pytest.mark.fast
-
 COMPAT = CompatRecord(PROTOCOL_VERSION, "LlamaForCausalLM", 4, 4, 32, "float32", 1, 104)
 
 
@@ -53,6 +51,7 @@ def healthy(url: str) -> bool:
         return r.status == 200
 
 
+@pytest.mark.fast
 def test_ranks_listed_once_all_registered(server):
     url = f"http://127.0.0.1:{server.port}"
     register_rank(url, rank(1), REGISTRY)
@@ -65,6 +64,7 @@ def test_ranks_listed_once_all_registered(server):
     assert fetch_ranks(url, deadline_s=1) == [rank(0), rank(1)]
 
 
+@pytest.mark.fast
 def test_bad_registrations_are_refused(server):
     url = f"http://127.0.0.1:{server.port}"
     register_rank(url, rank(0, 2), REGISTRY)
@@ -80,6 +80,7 @@ def test_bad_registrations_are_refused(server):
     assert healthy(url)
 
 
+@pytest.mark.fast
 def test_only_the_servers_own_ranks_can_register(server):
     """Anyone else's registration (unsigned, another key, a replay of a real one) is
     refused: new decode connections can never be sent to an attacker's address."""
@@ -95,6 +96,7 @@ def test_only_the_servers_own_ranks_can_register(server):
     assert server.refused == 3
 
 
+@pytest.mark.fast
 def test_with_a_deployment_secret_only_its_holders_can_list_the_ranks():
     """The listing names transfer sessions and buffer addresses: with a secret it needs a
     request signed with it (a decode server of the deployment)."""
@@ -112,6 +114,7 @@ def test_with_a_deployment_secret_only_its_holders_can_list_the_ranks():
         s.close()
 
 
+@pytest.mark.fast
 def test_a_listing_request_signed_for_one_server_is_refused_by_another():
     """Two prefill servers of one deployment (same secret): a listing request names the
     server it is for (its identity from GET /health), so one captured on its way to A
@@ -174,6 +177,7 @@ def test_malformed_or_stalled_requests_get_a_4xx_or_are_dropped(server, raw):
     assert healthy(url)
 
 
+@pytest.mark.fast
 def test_unreachable_bootstrap_fails_within_deadline():
     t0 = time.monotonic()
     with pytest.raises(BootstrapError, match="did not list"):
@@ -183,6 +187,7 @@ def test_unreachable_bootstrap_fails_within_deadline():
         register_rank("http://127.0.0.1:1", rank(0), REGISTRY, timeout_s=1)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("host,port,allowed,expect", [
     ("127.0.0.1", 8998, (), "http://127.0.0.1:8998"),
     ("::1", 8998, (), "http://[::1]:8998"),

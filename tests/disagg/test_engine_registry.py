@@ -17,6 +17,8 @@ from pdserve.disagg.engines import (TRANSFER_ENGINES, EngineCapabilities, Engine
 from pdserve.disagg.staging import choose_staging, staging_for_engine
 from pdserve.disagg.transfer import LocalTransfer, MooncakeTransfer, mooncake_reaches_gpu_memory
 
+pytestmark = pytest.mark.fast
+
 GPU = torch.device("cuda")  # a value only: nothing is allocated on it
 
 

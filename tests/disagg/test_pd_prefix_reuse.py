@@ -20,8 +20,6 @@ from pdserve.scheduler.req import samples_from_message
 from tests.disagg.test_pd_schedulers import PD_CELLS, GREEDY, dirs, pools_full, run_pair, sched, step_until  # noqa: F401
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.fast
-
 
 def first_turns(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)

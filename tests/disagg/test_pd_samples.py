@@ -24,8 +24,6 @@ from pdserve.disagg.prefill_side import prefill_scheduler
 from pdserve.scheduler.req import Req, samples_from_message
 from tests.disagg.test_pd_schedulers import SPEC, dirs, pools_full, prompts, sched  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.fast
-
 SAMPLED = {"n": 4, "temperature": 1.0, "top_p": 0.9, "seed": 11, "max_new_tokens": 10, "ignore_eos": True}
 
 

@@ -27,8 +27,6 @@ from pdserve.testing import build_random_draft, build_random_model
 from tests.scheduler.test_round_faults import inject_round_fault
 from tests.waiting import wait_until
 
-pytestmark = pytest.mark.fast
-
 GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
 
 

@@ -15,9 +15,8 @@ from pdserve.disagg.prefill_side import prefill_scheduler
 from tests.disagg.test_pd_prefix_reuse import first_turns, second_turns
 from tests.disagg.test_pd_schedulers import GREEDY, dirs, pools_full, prompts, run_pair, sched  # noqa: F401
 
-pytestmark = pytest.mark.fast
 
-
+@pytest.mark.fast
 def test_the_mode_is_chosen_at_startup_and_impossible_ones_are_refused():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert choose_staging("auto", cpu, False) == "direct" and choose_staging("host", cpu, True) == "host"
@@ -32,6 +31,7 @@ def test_the_mode_is_chosen_at_startup_and_impossible_ones_are_refused():
                                ).disaggregation_kv_staging == "host"
 
 
+@pytest.mark.fast
 def test_host_staging_copies_exactly_the_named_slots():
     device_buf = torch.arange(40, dtype=torch.float32).view(10, 4)
     staging = HostStaging()

@@ -13,6 +13,8 @@ from pdserve.router.config import POLICIES, ConfigError, from_cli
 from pdserve.router.policies import (POLICY_CLASSES, POLICY_NAMES, CacheAware, PolicyOptions, RoundRobin,
                                      make_policy, policy_class)
 
+pytestmark = pytest.mark.fast
+
 PD = ["--pd-disaggregation", "--prefill", "http://10.0.0.1:30001", "--decode", "http://10.0.0.2:30002"]
 
 

@@ -16,6 +16,8 @@ from pdserve.scheduler.scheduler import Scheduler
 from pdserve.testing import build_random_draft
 from tests.scheduler.test_step_faults import pools_full, requests, run
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.fixture(scope="module")
 def drafts(llama_dir, tmp_path_factory) -> dict[str, Path]:

@@ -18,8 +18,6 @@ from pdserve.scheduler.req import samples_from_message
 from pdserve.speculative.eagle_worker import DraftTree
 from pdserve.testing import build_random_draft, build_random_model
 
-pytestmark = pytest.mark.fast
-
 SHAPES = [(3, 1, 4), (5, 4, 8), (4, 3, 12), (6, 2, 10)]
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
