@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.attention_backends import AttentionBackend, BackendInfo, DraftAttentionBackend
-from pdserve.model.forward_context import (PAD_EXTEND_MAX, ForwardContext, GroupedQueries, KVStore, RowLayout,
-                                           RowSpan, TreeMasks, new_token_positions, plan_torch_native)
+from pdserve.model.forward_context import (PAD_EXTEND_MAX, ForwardContext, GroupedQueries, KVStore, NativePlan,
+                                           RowLayout, RowSpan, TreeMasks, new_token_positions, plan_torch_native)
 
 if TYPE_CHECKING:
     from pdserve.model.decode_mirror import DecodeKVMirror
 
 __all__ = ["PAD_EXTEND_MAX", "AttentionBackend", "DraftAttentionBackend", "ForwardContext", "GroupedQueries",
-           "KVStore", "RowLayout", "RowSpan", "TorchNativeAttention", "TreeMasks", "new_token_positions",
+           "KVStore", "NativePlan", "RowLayout", "RowSpan", "TorchNativeAttention", "TreeMasks", "new_token_positions",
            "plan_torch_native"]
 
 
@@ -74,23 +74,24 @@ class TorchNativeAttention(BackendInfo):
                 ctx: ForwardContext) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq*D]."""
         self.pool.write(layer, ctx.out_cache_loc, k, v)
-        if ctx.mirror is not None:
+        plan: NativePlan = ctx.plan
+        if plan.mirror is not None:
             assert self.mirror is not None, "a mirrored step needs the backend's mirror"
-            return self.mirror.attend(layer, q, k, v, ctx.mirror, self.scale)
-        if ctx.grouped is not None:
-            return self._grouped(layer, q, ctx.grouped)
+            return self.mirror.attend(layer, q, k, v, plan.mirror, self.scale)
+        if plan.grouped is not None:
+            return self._grouped(layer, q, plan.grouped)
         if ctx.is_decode:
-            return self._decode(layer, q, ctx)
-        if ctx.q_per_row:
-            return self._uniform(layer, q, ctx)
-        return self._extend(layer, q, ctx)
+            return self._decode(layer, q, ctx.batch_size, plan)
+        if plan.q_per_row:
+            return self._uniform(layer, q, ctx.batch_size, plan)
+        return self._extend(layer, q, plan)
 
-    def _uniform(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        assert ctx.kv_indices is not None
-        keys, values = self.pool.gather_head_major(layer, ctx.kv_indices)   # [B, Hkv, Lk, D]
-        b, n = ctx.batch_size, ctx.q_per_row
+    def _uniform(self, layer: int, q: torch.Tensor, b: int, plan: NativePlan) -> torch.Tensor:
+        assert plan.kv_indices is not None
+        keys, values = self.pool.gather_head_major(layer, plan.kv_indices)  # [B, Hkv, Lk, D]
+        n = plan.q_per_row
         qb = q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)    # [B, Hq, n, D]
-        out = F.scaled_dot_product_attention(qb, keys.to(q.dtype), values.to(q.dtype), attn_mask=ctx.attn_mask,
+        out = F.scaled_dot_product_attention(qb, keys.to(q.dtype), values.to(q.dtype), attn_mask=plan.attn_mask,
                                              scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).reshape(b * n, self.num_heads * self.head_dim)
 
@@ -110,23 +111,22 @@ class TorchNativeAttention(BackendInfo):
         out = out.view(b, hkv, r, g, d).transpose(1, 2).reshape(b * r, self.num_heads * d)
         return out if plan.q_index is None else out.index_select(0, plan.q_index)
 
-    def _decode(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        assert ctx.kv_indices is not None
-        keys, values = self.pool.gather_head_major(layer, ctx.kv_indices)   # [B, Hkv, Lk, D]
+    def _decode(self, layer: int, q: torch.Tensor, b: int, plan: NativePlan) -> torch.Tensor:
+        assert plan.kv_indices is not None
+        keys, values = self.pool.gather_head_major(layer, plan.kv_indices)  # [B, Hkv, Lk, D]
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         # One new token per row: the query heads sharing a KV head act as that
         # head's query rows, so GQA needs no KV expansion.
-        b = ctx.batch_size
         qg = q.view(b, self.num_kv_heads, self.group, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.attn_mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=plan.attn_mask, scale=self.scale)
         return out.reshape(b, self.num_heads * self.head_dim)
 
-    def _extend(self, layer: int, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        assert ctx.kv_flat is not None
-        keys, values = self.pool.gather(layer, ctx.kv_flat)                 # [N, Hkv, D]
+    def _extend(self, layer: int, q: torch.Tensor, plan: NativePlan) -> torch.Tensor:
+        assert plan.kv_flat is not None
+        keys, values = self.pool.gather(layer, plan.kv_flat)                # [N, Hkv, D]
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         gqa = self.num_heads != self.num_kv_heads
-        for s in ctx.spans:
+        for s in plan.spans:
             qi = q[s.q_start: s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)          # [1, Hq, q, D]
             ki = keys[s.kv_start: s.kv_start + s.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
             vi = values[s.kv_start: s.kv_start + s.kv_len].transpose(0, 1).unsqueeze(0).to(q.dtype)

@@ -137,7 +137,27 @@ class GroupedQueries:
 
 
 @dataclass
+class NativePlan:
+    """What torch_native planned for one forward (``ForwardContext.plan``): slot lists
+    and masks for SDPA, one shape of them per kind of forward."""
+    # decode (and the tree verification below): slots per row, 0 = padding slot
+    kv_indices: torch.Tensor | None = None  # [B, Lk]
+    attn_mask: torch.Tensor | None = None   # [B, 1, 1, Lk] (tree verification: [B, 1, q_per_row, Lk])
+    mirror: "MirrorStep | None" = None      # set: read KV from the decode mirror, not the pool
+    # extend: every row's slots, row after row, and each row's span of them
+    kv_flat: torch.Tensor | None = None     # [sum kv_len]
+    spans: tuple[RowSpan, ...] = ()
+    # tree verification: every row adds the same number of tokens; one batched SDPA
+    q_per_row: int = 0
+    # draft tree steps and padded short extends
+    grouped: GroupedQueries | None = None
+
+
+@dataclass
 class ForwardContext:
+    """A forward's description every backend shares (where the new tokens go, at which
+    RoPE positions, tree masks) and the backend's own plan (``plan``: torch_native's
+    ``NativePlan``, triton's launch metadata), made once per batch, read by every layer."""
     positions: torch.Tensor        # [T] position of each new token
     out_cache_loc: torch.Tensor    # [T] KV slot each new token is written to
     batch_size: int
@@ -147,18 +167,6 @@ class ForwardContext:
     tree_masks: TreeMasks | None = None
     # what the attention backend planned for this forward (read by every layer)
     plan: Any = None
-    # torch_native, decode
-    kv_indices: torch.Tensor | None = None  # [B, Lk] slots per row (0 = padding slot)
-    attn_mask: torch.Tensor | None = None   # [B, 1, 1, Lk]
-    mirror: "MirrorStep | None" = None      # set: read KV from the decode mirror, not the pool
-    # torch_native, extend
-    kv_flat: torch.Tensor | None = None     # [sum kv_len] slots of all rows, row after row
-    spans: tuple[RowSpan, ...] = ()
-    # torch_native, tree verification: every row adds the same number of tokens; one
-    # batched SDPA over kv_indices with attn_mask [B, 1, q_per_row, Lk]
-    q_per_row: int = 0
-    # torch_native, draft tree steps and padded short extends
-    grouped: GroupedQueries | None = None
     # RoPE cos/sin at `positions`, per rotary table (filled by the first layer)
     rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -179,13 +187,13 @@ class ForwardContext:
         own = owner.unsqueeze(0) == torch.arange(k, device=branch_slots.device).unsqueeze(1)  # [k, k*i]
         visible = torch.cat([prefix_valid.unsqueeze(1).expand(b, k, lp), own.unsqueeze(0).expand(b, k, k * i)],
                             dim=2)
-        return cls(positions, out_cache_loc, b * k, True, grouped=GroupedQueries(kv_indices, visible))
+        return cls(positions, out_cache_loc, b * k, True, plan=NativePlan(grouped=GroupedQueries(kv_indices, visible)))
 
     @classmethod
     def mirrored(cls, req_to_token: torch.Tensor, layout: RowLayout, step: "MirrorStep") -> "ForwardContext":
         """A plain decode step whose KV the decode mirror serves (no slot lists needed)."""
         return cls(layout.prefix_lens.clone(), req_to_token[layout.rows, layout.prefix_lens], layout.batch_size,
-                   True, layout=layout, mirror=step)
+                   True, layout=layout, plan=NativePlan(mirror=step))
 
     @classmethod
     def describe(cls, req_to_token: torch.Tensor, layout: RowLayout,
@@ -240,9 +248,10 @@ def plan_torch_native(req_to_token: torch.Tensor, ctx: ForwardContext, pad_short
     assert layout is not None
     device, rows, batch = layout.rows.device, layout.rows, layout.batch_size
     kv_lens = layout.host_kv_lens
+    plan = ctx.plan = NativePlan()
     if ctx.is_decode:
-        ctx.kv_indices, valid = _padded_slots(req_to_token, layout, max(kv_lens))
-        ctx.attn_mask = valid.view(batch, 1, 1, -1)
+        plan.kv_indices, valid = _padded_slots(req_to_token, layout, max(kv_lens))
+        plan.attn_mask = valid.view(batch, 1, 1, -1)
         return
     if ctx.tree_masks is not None and batch > 1 and layout.uniform_extend:
         _plan_uniform(req_to_token, ctx)
@@ -256,7 +265,7 @@ def plan_torch_native(req_to_token: torch.Tensor, ctx: ForwardContext, pad_short
     kv_rows = torch.repeat_interleave(rows, kv_lens_dev, output_size=total_kv)
     kv_pos = torch.arange(total_kv, device=device) - torch.repeat_interleave(kv_starts, kv_lens_dev,
                                                                               output_size=total_kv)
-    ctx.kv_flat = req_to_token[kv_rows, kv_pos]
+    plan.kv_flat = req_to_token[kv_rows, kv_pos]
     spans = []
     q_start = kv_start = 0
     for i, (pre, ql) in enumerate(zip(layout.host_prefix, layout.host_extend)):
@@ -271,7 +280,7 @@ def plan_torch_native(req_to_token: torch.Tensor, ctx: ForwardContext, pad_short
         spans.append(RowSpan(q_start, ql, kv_start, kl, mask))
         q_start += ql
         kv_start += kl
-    ctx.spans = tuple(spans)
+    plan.spans = tuple(spans)
 
 
 def _plan_uniform(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
@@ -294,7 +303,7 @@ def _plan_uniform(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
     in_tree = (rel >= 0) & (rel < q_len)
     tree_vis = torch.gather(extra, 2, rel.clamp(0, q_len - 1).expand(batch, q_len, max_k))
     mask = torch.where(in_tree, tree_vis, rel < 0) & valid.unsqueeze(1)
-    ctx.kv_indices, ctx.attn_mask, ctx.q_per_row = kv_indices, mask.unsqueeze(1), q_len
+    ctx.plan = NativePlan(kv_indices=kv_indices, attn_mask=mask.unsqueeze(1), q_per_row=q_len)
 
 
 def _plan_padded(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
@@ -318,7 +327,7 @@ def _plan_padded(req_to_token: torch.Tensor, ctx: ForwardContext) -> None:
         # packed token t of row r, j-th of its row: t = q_start_r + j -> r * q_len + j
         shift = torch.arange(batch, device=device) * q_len - q_starts
         q_index = torch.arange(total, device=device) + torch.repeat_interleave(shift, ext, output_size=total)
-    ctx.grouped = GroupedQueries(kv_indices, mask, q_index)
+    ctx.plan = NativePlan(grouped=GroupedQueries(kv_indices, mask, q_index))
 
 
 def _padded_slots(req_to_token: torch.Tensor, layout: RowLayout, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:

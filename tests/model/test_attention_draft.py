@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.model.attention import PAD_EXTEND_MAX, ForwardContext, RowLayout, TorchNativeAttention
+from pdserve.model.attention import PAD_EXTEND_MAX, ForwardContext, NativePlan, RowLayout, TorchNativeAttention
 from pdserve.scheduler.memory import TokenToKVPool
 
 HEAD_DIM = 8
@@ -59,7 +59,7 @@ def expanded_context(prefix_slots, prefix_valid, branch_slots, positions) -> For
     valid = torch.cat([prefix_valid.unsqueeze(1).expand(b, k, lp), torch.ones(b, k, i, dtype=torch.bool)],
                       dim=2).view(b * k, -1)
     return ForwardContext(positions, branch_slots[:, :, -1].reshape(-1), b * k, True,
-                          kv_indices=torch.where(valid, kv, 0), attn_mask=valid.view(b * k, 1, 1, -1))
+                          plan=NativePlan(kv_indices=torch.where(valid, kv, 0), attn_mask=valid.view(b * k, 1, 1, -1)))
 
 
 @pytest.mark.fast
@@ -115,8 +115,9 @@ def test_padded_short_extend_equals_per_row_extend(heads, prefix, extend):
     layout = RowLayout.upload(list(range(len(prefix))), prefix, extend, torch.device("cpu"))
     per_row = ForwardContext.build(table, layout)
     padded = ForwardContext.build(table, layout, pad_short_extends=True)
-    assert per_row.spans and per_row.grouped is None
-    assert padded.grouped is not None and padded.grouped.visible.shape[1] == max(extend) and not padded.spans
+    assert per_row.plan.spans and per_row.plan.grouped is None
+    assert padded.plan.grouped is not None and padded.plan.grouped.visible.shape[1] == max(extend) \
+        and not padded.plan.spans
     torch.testing.assert_close(padded.out_cache_loc, per_row.out_cache_loc, atol=0, rtol=0)
     q, kn, vn = new_tokens(sum(extend), num_heads, num_kv_heads)
     got = backend.forward(0, q, kn, vn, padded)
@@ -130,7 +131,7 @@ def test_long_extends_keep_the_per_row_plan():
     _, _, table = make_backend(4, 4, 2)
     layout = RowLayout.upload([0, 1], [0, 2], [PAD_EXTEND_MAX + 1, 3], torch.device("cpu"))
     ctx = ForwardContext.build(table, layout, pad_short_extends=True)
-    assert len(ctx.spans) == 2 and ctx.grouped is None
+    assert len(ctx.plan.spans) == 2 and ctx.plan.grouped is None
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])

@@ -53,8 +53,8 @@ class World:
         layout = RowLayout.upload(rows, prefix, [1] * len(rows), torch.device("cpu"))
         ref_ctx = ForwardContext.build(self.table.table, layout)
         ctx = ForwardContext.build(self.table.table, layout)
-        ctx.mirror = self.mirror.prepare([self.table.key(r) for r in rows], self.table.table, layout.rows,
-                                         layout.prefix_lens)
+        ctx.plan.mirror = self.mirror.prepare([self.table.key(r) for r in rows], self.table.table, layout.rows,
+                                              layout.prefix_lens)
         for layer in range(LAYERS):
             q = torch.randn(len(rows), HEADS, DIM)
             k, v = torch.randn(len(rows), KV_HEADS, DIM), torch.randn(len(rows), KV_HEADS, DIM)
@@ -63,7 +63,7 @@ class World:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for r in rows:
             self.lens[r] += 1
-        return ctx.mirror is not None
+        return ctx.plan.mirror is not None
 
 
 def test_mirror_matches_gather_through_joins_leaves_reorders_and_row_reuse():
