@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.server.tool_output import Delta, ToolOutput, _as_call
+from pdserve.server.tool_output import Delta, ToolOutput, scan_call
 
 
 class NamedCall(ToolOutput):
@@ -56,21 +56,14 @@ class RequiredCalls(ToolOutput):
                     break
                 self.buffer, self.state = head[1:], self._ITEM
             elif self.state == self._ITEM:
-                if "}" not in head:
-                    break
-                try:
-                    obj, end = self.decoder.raw_decode(head)
-                except RecursionError:  # nested deeper than the parser goes: not a call, text
-                    self._to_text()
-                    break
-                except ValueError:
+                scan = scan_call(self.decoder, head, self.names, ("parameters",))
+                if scan.incomplete:
                     break  # the item is still coming
-                call = _as_call(obj, self.names, ("parameters",))
-                if call is None:
+                if scan.call is None:
                     self._to_text()
                     break
-                calls.append(self._call(*call))
-                self.buffer, self.state = head[end:], self._SEP
+                calls.append(self._call(*scan.call))
+                self.buffer, self.state = head[scan.end:], self._SEP
             elif self.state == self._SEP and head[0] in ",]":
                 self.buffer, self.state = head[1:], self._ITEM if head[0] == "," else self._DONE
             else:  # anything after the array, or between items, that does not belong there

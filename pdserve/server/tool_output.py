@@ -18,6 +18,7 @@ request asks for, and which reader it gets, in tool_calls.py.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 import uuid
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
@@ -69,6 +70,29 @@ class ToolOutput(ABC):
                  "function": {"name": name, "arguments": arguments}}
         self.calls += 1
         return delta
+
+
+@dataclass(frozen=True)
+class CallScan:
+    """What the JSON object at the head of a streaming parser's buffer turned out to be:
+    a call (name, arguments JSON) ending at ``end``; still ``incomplete``; or neither
+    (not a call of a declared tool, or nested deeper than the parser goes: text)."""
+    call: tuple[str, str] | None = None
+    end: int = 0
+    incomplete: bool = False
+
+
+def scan_call(decoder: json.JSONDecoder, head: str, names: frozenset[str], args_keys: tuple[str, ...]) -> CallScan:
+    """Decode the call object ``head`` starts with (the native formats' one way to read one)."""
+    if "}" not in head:
+        return CallScan(incomplete=True)
+    try:
+        obj, end = decoder.raw_decode(head)
+    except RecursionError:  # nested deeper than the parser goes: not a call, text
+        return CallScan()
+    except ValueError:
+        return CallScan(incomplete=True)  # still coming (or malformed: then it is content at the end)
+    return CallScan(_as_call(obj, names, args_keys), end)
 
 
 def _as_call(obj: Any, names: frozenset[str], args_keys: tuple[str, ...]) -> tuple[str, str] | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from pdserve.server.reasoning import _partial_suffix
-from pdserve.server.tool_output import Delta, _as_call, _TextParser
+from pdserve.server.tool_output import Delta, _as_call, _TextParser, scan_call
 
 
 class HermesParser(_TextParser):
@@ -123,21 +123,14 @@ class Llama3JsonParser(_TextParser):
                 if head[0] != "{":
                     self._to_text()
                     continue
-                if "}" not in head:
+                scan = scan_call(self.decoder, head, self.names, ("parameters", "arguments"))
+                if scan.incomplete:
                     break
-                try:
-                    obj, end = self.decoder.raw_decode(head)
-                except RecursionError:  # nested deeper than the parser goes: not a call, text
-                    self._to_text()
-                    continue
-                except ValueError:
-                    break  # incomplete (or malformed: then it is content at the end)
-                call = _as_call(obj, self.names, ("parameters", "arguments"))
-                if call is None:
+                if scan.call is None:
                     self._to_text()  # a JSON answer, not a call: the rest is text
                     continue
-                self._emit_call(call, calls)
-                self.buffer, self.state, self.tagged = head[end:], self._AFTER, False
+                self._emit_call(scan.call, calls)
+                self.buffer, self.state, self.tagged = head[scan.end:], self._AFTER, False
         return "".join(content), calls
 
     def _to_text(self) -> None:

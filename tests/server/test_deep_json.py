@@ -10,6 +10,8 @@ import pytest
 from pdserve.server.protocol import json_field
 from pdserve.server.tool_calls import HermesParser, Llama3JsonParser, RequiredCalls
 
+pytestmark = pytest.mark.fast
+
 DEEP = "[" * 100_000 + "]" * 100_000
 
 

@@ -8,6 +8,8 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.server.detokenizer import Detokenizer, held_back
 from pdserve.server.messages import TokenUpdate
 
+pytestmark = pytest.mark.fast
+
 
 def test_held_back():
     assert held_back("abc", ()) == 0

@@ -28,6 +28,8 @@ from pdserve.server.messages import TokenUpdate
 from pdserve.testing import build_char_tokenizer
 from pdserve.tokenizer import load_tokenizer, trim_at_stop
 
+pytestmark = pytest.mark.fast
+
 
 # ---- the reference: the detokenizer before issue 39 (whole output decoded per update) ------
 class FullDecode:

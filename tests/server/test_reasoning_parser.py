@@ -17,6 +17,8 @@ from pdserve.server.openai_routes import ChatChunks, chat_message
 from pdserve.server.reasoning import ReasoningParser, parser_for
 from pdserve.server.tokenizer_manager import RequestState, SampleResult
 
+pytestmark = pytest.mark.fast
+
 QWEN3, R1 = False, True  # starts_in_reasoning
 
 # (starts_in_reasoning, output, reasoning, content)

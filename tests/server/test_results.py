@@ -3,6 +3,8 @@ Engine) and the OpenAI pieces (finish reason, usage, logprobs)."""
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 
 from pdserve.sampling_params import SamplingParams
@@ -10,6 +12,8 @@ from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.server.results import (SampleOutput, TokenTexts, chat_logprobs, completion_logprobs, native_result,
                                     openai_finish, usage)
 from pdserve.server.tokenizer_manager import RequestState, SampleResult
+
+pytestmark = pytest.mark.fast
 
 
 def output(**kw) -> SampleOutput:

@@ -24,6 +24,8 @@ from pdserve.server.tool_calls import (TOOL_CALL_PARSERS, HermesParser, Llama3Js
                                        ToolOutput, finish_reason, merge_deltas, tool_plan)
 from tests.server.test_reasoning_parser import fake_updates
 
+pytestmark = pytest.mark.fast
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
