@@ -103,8 +103,6 @@ class ModelRunner:
         self.model.bind(self.backend, self.rotary)
         self.req_to_token = req_to_token
         self.padding_row = padding_row
-        if self.args.use_cuda_graph():
-            self.enable_decode_graphs(self.args.cuda_graph_max_bs, capture=True)
 
     def enable_decode_graphs(self, max_bs: int, capture: bool) -> None:
         """Plain decode forwards of up to ``max_bs`` rows go through static buffers,

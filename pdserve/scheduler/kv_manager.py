@@ -85,7 +85,7 @@ class KVManager:
 
     def bind(self, runner: ModelRunner) -> None:
         """Give the runner the pools its forwards read and write (it builds its attention
-        backend and captures its CUDA graphs over them)."""
+        backend over them; CUDA graphs are captured afterwards, by the scheduler's builder)."""
         runner.bind_memory(self.kv_pool, self.req_table.table, self.num_slots, self.req_table.padding_row)
 
     # ---- capacity -----------------------------------------------------------------

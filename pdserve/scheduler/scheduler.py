@@ -78,7 +78,9 @@ class Scheduler:
         if args.speculative_algorithm is not None:
             self.spec = EagleWorker(args, runner, num_pages * self.page_size)
         self.kv = KVManager(PoolGeometry.of(args, runner, num_pages, self.spec.lookahead if self.spec else 1))
-        self.kv.bind(runner)  # builds the attention backend, captures the decode graphs
+        self.kv.bind(runner)  # the runner builds its attention backend over these pools
+        if args.use_cuda_graph():  # then the decode graphs, over the bound pools
+            runner.enable_decode_graphs(args.cuda_graph_max_bs, capture=True)
         if self.spec is not None:
             self.spec.bind(self.kv.req_table.table)
             if args.use_cuda_graph():
