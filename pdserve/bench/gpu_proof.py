@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from pdserve.lazy import load_target
+
 SERVER_MODULES = ("fastapi", "uvicorn", "zmq", "xgrammar", "mooncake.engine")
 
 
@@ -224,8 +226,7 @@ def run_child(name: str, target: str, out: Path, limit_s: float, smoke: bool) ->
     signal.alarm(deadline_s)
     faulthandler.dump_traceback_later(max(float(limit_s), deadline_s + 2.0), exit=False)
     out.mkdir(parents=True, exist_ok=True)
-    module, function = target.split(":")
-    getattr(importlib.import_module(module), function)(out, smoke)
+    load_target(target)(out, smoke)
 
 
 # ---- the parent: one process per step, a JSON line each ---------------------------------

@@ -53,18 +53,18 @@ def decode_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: Callabl
                      host: str = "127.0.0.1", link: LinkConfig = LinkConfig()) -> Scheduler:
     """A scheduler with the decode side composed in (``.mode``)."""
     core = Scheduler(args, runner, decode_text, tp)
-    core.mode = DecodeSide(core, engine, fetch_ranks, tp, host, link)
+    core.mode = DecodeSide(core, engine, fetch_ranks, host, link)
     return core
 
 
 class DecodeSide(Mode):
     """The decode server's hooks in its scheduler (``core``, which it was built for)."""
-    name = "decode"
 
     def __init__(self, core: Scheduler, engine: object, fetch_ranks: Callable[[str], list[P.RankInfo]],
-                 tp: TPGroup, host: str, link: LinkConfig) -> None:
+                 host: str, link: LinkConfig) -> None:
         super().__init__(core.queues)
         self.core = core
+        tp = core.tp
         runner = core.runner
         self.staging = transfer_staging(core, engine)  # type: ignore[arg-type]
         layout = kv_layout(core, self.staging, with_features=True)

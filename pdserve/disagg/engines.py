@@ -22,9 +22,10 @@ staging check and the scheduler's engine construction follow from the registry.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
+
+from pdserve.lazy import load_target
 
 if TYPE_CHECKING:
     from pdserve.disagg.transfer import TransferEngine
@@ -102,8 +103,7 @@ def transfer_engine_class(name: str, registry: Mapping[str, EngineEntry] | None 
     entry = _entry(name, registry)
     if entry.target is None:
         raise TransferEngineUnavailable(entry.unavailable)
-    module, _, cls = entry.target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    return load_target(entry.target)
 
 
 def engine_capabilities(name: str, registry: Mapping[str, EngineEntry] | None = None) -> EngineCapabilities:

@@ -62,21 +62,21 @@ class _FeatureRows:
 def prefill_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
                       engine: object, tp: TPGroup = TPGroup(), host: str = "127.0.0.1",
                       link: LinkConfig = LinkConfig()) -> Scheduler:
-    """A scheduler that never decodes, with the prefill side composed in (``.mode``)."""
+    """A scheduler that never decodes (decode decides when a request ends; prefill only
+    hands it off), with the prefill side composed in (``.mode``)."""
     core = Scheduler(args, runner, decode_text, tp, decodes=False)
-    core.mode = PrefillSide(core, engine, tp, host, link)
+    core.mode = PrefillSide(core, engine, host, link)
     return core
 
 
 class PrefillSide(Mode):
     """The prefill server's hooks in its scheduler (``core``, which it was built for)."""
-    name = "prefill"
-    decodes = False  # decode decides when a request ends; prefill only hands it off
     publishes_tokens = False  # the first token is handed off, not published
 
-    def __init__(self, core: Scheduler, engine: object, tp: TPGroup, host: str, link: LinkConfig) -> None:
+    def __init__(self, core: Scheduler, engine: object, host: str, link: LinkConfig) -> None:
         super().__init__(core.queues)
         self.core = core
+        tp = core.tp
         runner = core.runner
         self.bootstrap: BootstrapServer | None = None  # rank 0 of a prefill server runs the registry
         # Features are published per decode peer (provide_features), not up front:

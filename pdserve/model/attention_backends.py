@@ -8,9 +8,10 @@ line in ``BACKENDS``.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, cast, overload
+
+from pdserve.lazy import load_target
 
 if TYPE_CHECKING:
     import torch
@@ -97,8 +98,7 @@ def backend_class(name: str) -> type[BackendInfo]:
     path = BACKENDS.get(name)
     if path is None:
         raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(backend_names())})")
-    module, _, attr = path.partition(":")
-    cls = getattr(importlib.import_module(module), attr)
+    cls = load_target(path)
     assert cls.name == name, f"{path} is registered as {name!r} but calls itself {cls.name!r}"
     return cast("type[BackendInfo]", cls)
 

@@ -9,9 +9,9 @@ the name. Adding an architecture is one module holding its class and one line in
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Sequence, cast
 
+from pdserve.lazy import load_target
 from pdserve.model.model_config import ModelConfig, ModelConfigError
 
 if TYPE_CHECKING:
@@ -42,8 +42,7 @@ def architecture_class(name: str) -> type[CausalLM]:
     path = ARCHITECTURES.get(name)
     if path is None:
         raise _unsupported(name)
-    module, _, attr = path.partition(":")
-    return cast("type[CausalLM]", getattr(importlib.import_module(module), attr))
+    return cast("type[CausalLM]", load_target(path))
 
 
 def find_architecture(archs: Sequence[str]) -> tuple[str, type[CausalLM]]:

@@ -13,9 +13,9 @@ imports nothing of ``pdserve.disagg``).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any, Callable
 
+from pdserve.lazy import load_target
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput
 from pdserve.scheduler.queues import RequestQueues
 from pdserve.scheduler.req import FinishReason, Req
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 
 class Mode:
     """The colocated mode; the base of the disaggregated ones."""
-    name = "null"
-    decodes = True         # False: never decodes (no decode steps, no draft state, no growth reserve)
     publishes_tokens = True  # False: drawn tokens are handed on, not published (a prefill server)
 
     def __init__(self, queues: RequestQueues) -> None:
@@ -82,9 +80,6 @@ SCHEDULER_MODES: dict[str, str] = {
 
 def mode_builder(name: str) -> Callable[..., "Scheduler"]:
     """The builder of the scheduler of mode ``name`` (imported now)."""
-    try:
-        module, function = SCHEDULER_MODES[name].split(":")
-    except KeyError:
-        raise ValueError(f"--disaggregation-mode: {name!r} is not one of "
-                         f"{', '.join(['null', *SCHEDULER_MODES])}") from None
-    return getattr(importlib.import_module(module), function)  # type: ignore[no-any-return]
+    if name not in SCHEDULER_MODES:
+        raise ValueError(f"--disaggregation-mode: {name!r} is not one of {', '.join(['null', *SCHEDULER_MODES])}")
+    return load_target(SCHEDULER_MODES[name])  # type: ignore[no-any-return]
