@@ -33,15 +33,19 @@ from tests.waiting import wait_until
 # Long enough (seconds of decoding on the tiny model) that the checks made right after
 # the drain began happen while it still runs; within the model's 1024 positions.
 LONG_TOKENS = 1000
+# What the drain's deadline must find unfinished: far more than the tiny model decodes
+# between the test's checks and SIGTERM on a loaded machine (1000 tokens took ~1 s, and a
+# stream the scheduler has finished is delivered in full, not aborted).
+UNFINISHABLE_TOKENS = 7000
 EXIT_TIMEOUT_S = 120.0
 
 
-def long_stream_body() -> dict[str, Any]:
+def long_stream_body(tokens: int = LONG_TOKENS) -> dict[str, Any]:
     # Top logprobs make its events heavy (each repeats the whole result so far): what is
     # left to deliver once its client pauses is more than the connection's buffers hold,
     # so it stays in flight until the client reads on, however fast decoding is.
     return {"text": "drain me", "stream": True, "return_logprob": True, "top_logprobs_num": 5,
-            "sampling_params": dict(GREEDY, max_new_tokens=LONG_TOKENS)}
+            "sampling_params": dict(GREEDY, max_new_tokens=tokens)}
 
 
 def data_events(lines: Any, n: int) -> list[str]:
@@ -133,20 +137,22 @@ def test_drain_finishes_the_request_in_flight(start_server, llama_dir, how):
         s.close()
 
 
-def test_drain_deadline_aborts_what_is_left(start_server, llama_dir):
+def test_drain_deadline_aborts_what_is_left(start_server, model_dirs):
     # 0 s: the drain aborts at once whatever is in flight (a positive deadline would make
     # the outcome depend on how fast this machine decodes).
-    s = start_server(llama_dir, "--graceful-shutdown-timeout", "0")
+    s = start_server(model_dirs("llama_long_context"), "--graceful-shutdown-timeout", "0",
+                     "--max-total-tokens", "16384")
     try:
         children = s.remember_pids()
         result: dict[str, httpx.Response] = {}
 
         def blocking() -> None:
             result["r"] = httpx.post(s.url + "/v1/completions", timeout=EXIT_TIMEOUT_S,
-                                     json={"prompt": "cut me", "max_tokens": LONG_TOKENS, "temperature": 0,
+                                     json={"prompt": "cut me", "max_tokens": UNFINISHABLE_TOKENS, "temperature": 0,
                                            "ignore_eos": True})
         t = threading.Thread(target=blocking, daemon=True)
-        with httpx.stream("POST", s.url + "/generate", json=long_stream_body(), timeout=EXIT_TIMEOUT_S) as r:
+        with httpx.stream("POST", s.url + "/generate", json=long_stream_body(UNFINISHABLE_TOKENS),
+                          timeout=EXIT_TIMEOUT_S) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             first = data_events(lines, 2)
