@@ -118,12 +118,12 @@ def test_300_concurrent_requests_over_1p1d_lose_nothing(dirs, make_engine):
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
 
 
-@pytest.mark.parametrize("p_tp,d_tp,decode_spec", [(1, 2, False), (2, 1, False), (2, 1, True)],
-                         ids=["p-tp1-d-tp2", "p-tp2-d-tp1", "p-tp2-d-tp1-eagle"])
+@pytest.mark.parametrize("p_tp,d_tp,decode_spec", [(1, 2, False), (2, 1, False)], ids=["p-tp1-d-tp2", "p-tp2-d-tp1"])
 def test_heterogeneous_tensor_parallel_pairs(dirs, make_engine, p_tp, d_tp, decode_spec):
     """Prefill and decode shard the KV heads differently: each prefill rank writes the
     heads it holds into the decode rank that holds them (GQA, 2 KV heads); page size 16
-    and chunked prefill; outputs equal the colocated single-rank engine."""
+    and chunked prefill; outputs equal the colocated single-rank engine. With drafts on
+    either side: tests/disagg/test_pd_tp_speculative.py."""
     target, draft = dirs
     rng, prompts, ref = prompts_and_reference(make_engine, target, 21, 5, 5, 70, GREEDY)
     boot = free_port()
