@@ -94,11 +94,11 @@ def make_zmq_io(paths: ipc.IpcPaths) -> ZmqIO:
 
 
 def run_scheduler_process(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, rank: int,
-                          init_method: str, paths: ipc.IpcPaths, ready: Connection) -> None:
+                          init_method: str, paths: ipc.IpcPaths | None, ready: Connection) -> None:
     die_with_parent()
     import functools
 
-    make_io = functools.partial(make_zmq_io, paths) if rank == 0 else None
+    make_io = functools.partial(make_zmq_io, paths) if rank == 0 and paths is not None else None
     try:
         run_rank(args, model_dir, tokenizer_dir, rank, init_method, make_io, ready)
     except KeyboardInterrupt:
