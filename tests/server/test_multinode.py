@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import GREEDY, random_prompts
 from tests.nodes import NodeProcess, node_flags, two_nodes
-from tests.server.conftest import REPO_ROOT, free_port
+from tests.server.conftest import REPO_ROOT, free_port, pid_alive
 from tests.waiting import wait_until
 
 PROMPTS = random_prompts(5, 4, 50, seed=35)
@@ -93,9 +93,31 @@ def test_node1_stopping_ends_the_instance(tp4_model):
             assert node1.wait_exit() == 0
             body = {"input_ids": PROMPTS[0], "sampling_params": dict(GREEDY, max_new_tokens=4)}
             r = node0.client.post("/generate", json=body, timeout=60)
-            assert r.status_code >= 500, r.text
+            assert r.status_code == 503, r.text
             wait_until(lambda: node0.client.get("/health", timeout=5).status_code != 200, 30, step=0.2,
                        ignore=(httpx.HTTPError,))
+        finally:
+            node0.close()
+    finally:
+        node1.kill_all()
+
+
+def test_node0_killed_ends_node1(tp4_model):
+    """Node 0 SIGKILLed (no shutdown command): its ranks die with it (PDEATHSIG), node 1's
+    ranks find the group broken and node 1 exits non-zero, leaving nothing behind."""
+    from tests.server.conftest import ServerProcess
+
+    dist_port = free_port()
+    node1 = NodeProcess(tp4_model, *node_flags(2, 1, dist_port, "--max-total-tokens", "1024"))
+    try:
+        node0 = ServerProcess(tp4_model, *node_flags(2, 0, dist_port, "--max-total-tokens", "1024"))
+        try:
+            node1.wait_ready()
+            node0.remember_pids()
+            node0.proc.kill()
+            assert node1.wait_exit() == 1
+            assert "the TP group ended" in node1.output()
+            wait_until(lambda: not any(pid_alive(p) for p in node0.known_pids), 10, step=0.1)
         finally:
             node0.close()
     finally:
