@@ -35,10 +35,18 @@ from pdserve.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
+# The longest rank 0 waits for a command before it broadcasts an empty one anyway. The
+# other ranks wait inside that broadcast, and a gloo collective fails after the group's
+# deadline (torch's default: 30 minutes): an idle server must not lose its followers.
+IDLE_WAKEUP_S = 60.0
+
+
 class RankIO(Protocol):
     """Rank 0's link to whoever drives it."""
 
-    def receive(self, block: bool) -> list[Command]: ...
+    def receive(self, block: bool) -> list[Command]:
+        """The pending commands; with ``block``, waiting up to IDLE_WAKEUP_S for one."""
+        ...
 
     def reply(self, kind: str, payload: Any) -> None: ...
 
@@ -53,7 +61,7 @@ class PipeIO:
 
     def receive(self, block: bool) -> list[Command]:
         cmds = []
-        if block or self.conn.poll():
+        if self.conn.poll(IDLE_WAKEUP_S if block else 0):
             cmds.append(self.conn.recv())
             while self.conn.poll():
                 cmds.append(self.conn.recv())

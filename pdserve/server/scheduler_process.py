@@ -14,7 +14,7 @@ from pdserve.config import ServerArgs
 from pdserve.scheduler.messages import Command
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import StepOutput
-from pdserve.scheduler.worker import run_rank
+from pdserve.scheduler.worker import IDLE_WAKEUP_S, run_rank
 from pdserve.server import ipc
 from pdserve.server.messages import Reply, TokenBatch, TokenUpdate
 
@@ -31,8 +31,8 @@ class ZmqIO:
 
     def receive(self, block: bool) -> list[Command]:
         cmds = []
-        if block:
-            cmds.append(ipc.loads(self.commands.recv()))
+        if block:  # at most IDLE_WAKEUP_S (the followers wait in a collective meanwhile)
+            self.commands.poll(int(IDLE_WAKEUP_S * 1000))
         while True:
             try:
                 cmds.append(ipc.loads(self.commands.recv(zmq.NOBLOCK)))
