@@ -1,6 +1,7 @@
 """Start a server instance: detokenizer and scheduler processes, then HTTP in this process.
 
-Startup waits for every child to report ready and fails with the child's
+With --nnodes > 1 this is node 0, which starts only its own TP ranks; a node of rank
+R > 0 runs server/node.py instead (its ranks, no HTTP). Startup waits for every child to report ready and fails with the child's
 message if one dies. On shutdown (Ctrl-C, SIGTERM) every child is stopped;
 children also die with this process if it is killed outright (PDEATHSIG).
 """

@@ -53,13 +53,15 @@ def _run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=str(REPO_ROOT))
 
 
-def test_node0_alone_gives_up_after_dist_timeout(tp4_model):
-    """The other node never comes: node 0 exits non-zero naming the rendezvous, within
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_a_node_alone_gives_up_after_dist_timeout(tp4_model, node_rank):
+    """The other node never comes: this one exits non-zero naming the rendezvous, within
     its --dist-timeout (plus the start), rather than waiting forever."""
     r = _run(["--model-path", str(tp4_model), "--port", str(free_port()),
-              *node_flags(4, 0, free_port(), "--dist-timeout", "3")])
-    assert r.returncode == 1, r.stderr[-3000:]
-    assert "did not meet at tcp://127.0.0.1:" in r.stderr and "within 3 s" in r.stderr, r.stderr[-3000:]
+              *node_flags(4, node_rank, free_port(), "--dist-timeout", "3")])
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    assert "did not meet at tcp://127.0.0.1:" in out and "within 3 s" in out, out[-3000:]
 
 
 def test_nodes_with_different_flags_both_refuse(tp4_model):
