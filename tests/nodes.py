@@ -68,12 +68,14 @@ def node_flags(tp_size: int, node_rank: int, dist_port: int, *extra: str) -> tup
 
 
 @contextlib.contextmanager
-def two_nodes(model_dir: Path, tp_size: int, *extra: str) -> Iterator[tuple[ServerProcess, NodeProcess]]:
-    """A TP `tp_size` instance over two nodes (node 1 started first: it waits for node 0).
+def two_nodes(model_dir: Path, tp_size: int, *extra: str, node1_host: str = "127.0.0.1"
+              ) -> Iterator[tuple[ServerProcess, NodeProcess]]:
+    """A TP `tp_size` instance over two nodes (node 1 started first: it waits for node 0),
+    node 1 on its own `--host` (another loopback address stands for another machine).
     On exit node 0 is stopped (SIGTERM); node 1 must then exit 0 with its ranks, and no
     process of either node may survive."""
     dist_port = free_port()
-    node1 = NodeProcess(model_dir, *node_flags(tp_size, 1, dist_port, *extra))
+    node1 = NodeProcess(model_dir, *node_flags(tp_size, 1, dist_port, *extra), "--host", node1_host)
     try:
         node0 = ServerProcess(model_dir, *node_flags(tp_size, 0, dist_port, *extra))
         try:
