@@ -149,7 +149,7 @@ def run_rank(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, rank: int, 
     try:
         # On CUDA this rank's GPU (its index on this node) becomes the current device first.
         device = bind_device(rank - local_ranks.start, args.resolved_device())
-        tp = init_tp_group(rank, args.tp_size, init_method, device, args.rendezvous_timeout())
+        tp = init_tp_group(rank, args.tp_size, init_method, device, timeout_s=args.rendezvous_timeout())
         check_same_command(args, tp)
         sched = build_scheduler(args, model_dir, tokenizer_dir, tp)
         # Ready means the whole group is: rank 0 (whose report opens the HTTP server)
