@@ -251,7 +251,9 @@ def _check_speculative(args: "ServerArgs", bad: Any) -> None:
                   f"(choose from {', '.join(SPECULATIVE_ALGORITHMS)})")
     if args.speculative_draft_model_path is None:
         raise bad("speculative_draft_model_path", f"is required with {flag('speculative_algorithm')} "
-                  f"{args.speculative_algorithm}")
+                  f"{args.speculative_algorithm}: pdserve does not draft with a checkpoint's own multi-token-"
+                  "prediction (NextN) layers yet, as SGLang does for GLM-4.5 and DeepSeek-V3; give an EAGLE "
+                  "or EAGLE3 head")
     if not os.path.isdir(args.speculative_draft_model_path):
         raise bad("speculative_draft_model_path", f"{args.speculative_draft_model_path!r} is not a directory")
     if any(v is None for v in shape) and any(v is not None for v in shape):

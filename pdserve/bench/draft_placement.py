@@ -46,8 +46,8 @@ def _dense_layer(shape: Shape, tp: object, dtype: torch.dtype, device: torch.dev
             s = shape
             self.qkv = QKVParallelLinear(s.hidden, s.head_dim, s.heads, s.kv_heads, False, tp)  # type: ignore[arg-type]
             self.o_proj = RowParallelLinear(s.heads * s.head_dim, s.hidden, False, tp, "o_proj")  # type: ignore
-            self.gate_up = ColumnParallelLinear(s.hidden, {0: s.intermediate, 1: s.intermediate}, False, tp,  # type: ignore
-                                                "gate_up_proj")
+            self.gate_up = ColumnParallelLinear(  # type: ignore[arg-type]
+                s.hidden, {0: s.intermediate, 1: s.intermediate}, False, tp, "gate_up_proj")
             self.down = RowParallelLinear(s.intermediate, s.hidden, False, tp, "down_proj")  # type: ignore
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:

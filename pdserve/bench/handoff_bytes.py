@@ -8,7 +8,8 @@ Measured: the demo model and its trained heads through an in-process prefill/dec
 bytes per request of target KV, draft KV, features and metadata as prefill sent them,
 decode's draft prefill tokens per request, and the acceptance (tokens per verify round).
 Computed: Llama-3.1-8B + its EAGLE3 head, bf16, 2,500-token prompts, at decode TP 1 and 2
-(the draft and its state go to every decode rank; the target KV heads split).
+(target and draft KV heads split over the decode ranks; features and the draft state go
+to every decode rank).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def computed(prompt_len: int = 2500) -> list[tuple[str, float, float, float, flo
     state = 4 * (4096 * 4 // 3) + 512  # the DraftState record: base64 float32 hidden, top-k, JSON
     out = []
     for tp in (1, 2):
-        out.append((f"draft state, decode TP{tp}", target, tp * draft, 0, tp * state))
+        out.append((f"draft state, decode TP{tp}", target, draft, 0, tp * state))
         out.append((f"features,    decode TP{tp}", target, 0, tp * features, 0))
     return [(name, t / 1e6, d / 1e6, f / 1e6, m / 1e6) for name, t, d, f, m in out]
 

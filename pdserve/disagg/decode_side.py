@@ -87,6 +87,7 @@ class DecodeSide(Mode):
         # Committed (KV and first token in) but their grammar still compiling: they join
         # the running batch once it is ready (poll_external), in arrival order.
         self.parked: list[Req] = []
+        self._drafting: list[Req] = []  # joined this step; their draft runs over the prompts at once
         # Bytes this rank received in committed transfers, by kind (protocol.TRANSFER_KINDS).
         self.bytes_by_kind = dict.fromkeys(P.TRANSFER_KINDS, 0)
         self.prefix_hit_tokens = 0    # prompt tokens served from this server's own prefix cache
@@ -177,6 +178,7 @@ class DecodeSide(Mode):
                         reason = "KV transfer failed on another tensor-parallel rank"
                         self.manager.abort(h.room, reason)
                     out.finished += self._quarantine(h, reason or "transfer failed")
+        self._draft_prompts(out)
         self._admit_transfers([(h, r) for h, r in agreed if h.phase is Phase.QUEUED], out)
         # Publish committed first tokens now (their TTFT); the running batch takes its
         # decode step on the very next step (never held twice in a row, so a stream of
@@ -299,11 +301,18 @@ class DecodeSide(Mode):
             out.finished += self.core.finish(req, FinishReason(FinishKind.ABORT, message=req.grammar.error))
             return
         self.core.settle(Gain(req, self.core.stop_reason(req), joining=True), out)
-        if req.finish is None and req.draft_len != req.kv_len:  # (not started from prefill's draft state)
-            req.draft_len = 0
-            self.core.decoding.prefilled([req])  # the draft state, from the transferred features
-            if self.core.spec is not None:
-                self.draft_prefill_tokens += req.kv_len
+        if req.finish is None and self.core.spec is not None and req.draft_len != req.kv_len:
+            req.draft_len = 0  # (not started from prefill's draft state: drafted from the features)
+            self._drafting.append(req)
+
+    def _draft_prompts(self, out: StepOutput) -> None:
+        """The draft state of the requests that joined this step from transferred
+        features: one draft extend over all their prompts (before any decode step)."""
+        reqs, self._drafting = [r for r in self._drafting if r.finish is None], []
+        if reqs:
+            with self.core.guarded(reqs, out, "drafting the transferred prompts"):
+                self.core.decoding.prefilled(reqs)
+                self.draft_prefill_tokens += sum(r.kv_len for r in reqs)
 
     def _unpark(self, out: StepOutput) -> bool:
         """Parked requests whose grammar is now ready (or failed, or past its deadline)

@@ -205,18 +205,20 @@ def buffer_spec(name: str, t: torch.Tensor, staging: HostStaging | None, heads: 
 
 def kv_layout(sched: "Scheduler", staging: HostStaging | None, with_features: bool) -> KVLayout:
     """The named buffers of this rank: target KV (head-sharded) and, with a draft, the
-    draft KV (``draft.L{i}.K/V``, every head: the draft is replicated on each rank) and
-    the target-feature pool (one row per slot); their host twins when staged."""
+    draft KV (``draft.L{i}.K/V``, head-sharded like the target's) and the target-feature
+    pool (one row per slot, the same on every rank); their host twins when staged."""
     heads = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
     kv = sched.kv.kv_pool.buffers()
     spec = sched.spec
-    replicated = dict(spec.draft_pool.buffers()) if spec is not None else {}
-    if with_features and spec is not None:
-        replicated["features"] = spec.features
+    draft = dict(spec.draft_pool.buffers()) if spec is not None else {}
+    features = {"features": spec.features} if with_features and spec is not None else {}
     if staging is not None:  # all twins at once: the host must hold them together
-        staging.twins({**kv, **replicated})
+        staging.twins({**kv, **draft, **features})
     specs = [buffer_spec(name, t, staging, heads) for name, t in kv.items()]
-    specs += [buffer_spec(name, t, staging) for name, t in replicated.items()]
+    if spec is not None:
+        draft_heads = kv_head_range(spec.config.layer.num_kv_heads, sched.tp.rank, sched.tp.size)
+        specs += [buffer_spec(name, t, staging, draft_heads) for name, t in draft.items()]
+    specs += [buffer_spec(name, t, staging) for name, t in features.items()]
     return KVLayout(sched.page_size, tuple(specs))
 
 

@@ -40,7 +40,7 @@ class _DecodePeer:
     handshake: P.Handshake
     plan: TransferPlan                       # the target KV heads this rank owes that decode rank
     feature_plan: TransferPlan | None        # rank 0: per-position target features (decode drafts itself)
-    draft_plan: TransferPlan | None = None   # rank 0: the draft KV (both sides run the same draft)
+    draft_plan: TransferPlan | None = None   # the draft KV heads owed (both sides run the same draft)
 
 
 @dataclass
@@ -59,13 +59,16 @@ class PrefillTransferManager(_Side):
     def __init__(self, engine: TransferEngine, compat: CompatRecord, layout: KVLayout, tp_rank: int,
                  head_ranges: Sequence[HeadRange] | None, host: str = "127.0.0.1",
                  cfg: LinkConfig = LinkConfig(),
-                 provide_features: Callable[[tuple[int, ...], int], BufferSpec] | None = None) -> None:
+                 provide_features: Callable[[tuple[int, ...], int], BufferSpec] | None = None,
+                 draft_head_ranges: Sequence[HeadRange] | None = None) -> None:
         """``provide_features(layers, width)``: called at a handshake that needs target
         features this side does not publish; returns the (registered) buffer it will
-        fill, or raises HandshakeError."""
+        fill, or raises HandshakeError. ``head_ranges`` / ``draft_head_ranges``: the
+        target's / the draft's KV heads each prefill rank holds."""
         self.engine, self.compat, self.layout = engine, compat, layout
         self._provide_features = provide_features
         self.tp_rank, self.head_ranges = tp_rank, list(head_ranges) if head_ranges else None
+        self.draft_head_ranges = list(draft_head_ranges) if draft_head_ranges else None
         self.rooms = RoomTable(cfg.deadlines)
         self._peers: dict[str, _DecodePeer] = {}
         self._by_addr: dict[str, str] = {}
@@ -162,14 +165,13 @@ class PrefillTransferManager(_Side):
             wanted = [n for n in hs.wanted if n != "features" and n not in draft]
             plan = plan_transfer(self.layout, hs.layout, wanted, self.tp_rank, self.head_ranges)
             feature_plan = draft_plan = None
-            if self.tp_rank == 0:
-                # Features and the draft are the same on every rank (replicated hidden states,
-                # a replicated draft): rank 0 sends them. Which of the two a request gets is
-                # decode's choice per request (TransferRequest); both plans are ready for it.
-                if "features" in hs.wanted:
-                    feature_plan = self._feature_plan(hs)
-                if draft and self.compat.shares_draft_with(hs.compat):
-                    draft_plan = plan_transfer(self.layout, hs.layout, draft)
+            if "features" in hs.wanted and self.tp_rank == 0:
+                # Features are the same on every rank (replicated hidden states): rank 0 sends them.
+                feature_plan = self._feature_plan(hs)
+            if draft and self.compat.shares_draft_with(hs.compat):
+                # The draft KV is head-sharded like the target's: each rank sends what it owes.
+                # Features or draft state: decode's choice per request (TransferRequest).
+                draft_plan = plan_transfer(self.layout, hs.layout, draft, self.tp_rank, self.draft_head_ranges)
         except HandshakeError as exc:
             self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, False, str(exc)))
             return

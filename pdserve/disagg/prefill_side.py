@@ -75,8 +75,11 @@ class PrefillSide(Mode):
         self.engine = engine
         features = FeatureProvider(core, engine, self.staging)
         ranges = [kv_head_range(runner.config.num_kv_heads, r, tp.size) for r in range(tp.size)]
+        draft_ranges = None if core.spec is None else [
+            kv_head_range(core.spec.config.layer.num_kv_heads, r, tp.size) for r in range(tp.size)]
         self.manager = PrefillTransferManager(engine, compat_record(core), layout, tp.rank, ranges,  # type: ignore
-                                              host=host, cfg=link, provide_features=features.provide)
+                                              host=host, cfg=link, provide_features=features.provide,
+                                              draft_head_ranges=draft_ranges)
         self.handoffs = HandoffTable(tp)
 
     # ---- requests -------------------------------------------------------------------

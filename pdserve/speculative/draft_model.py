@@ -46,9 +46,9 @@ class DraftLayer(nn.Module):
     """The first draft layer: EAGLE's (no input norm) or EAGLE3's (2H-wide q/k/v
     over cat(input_layernorm(embed), hidden_norm(hidden)))."""
 
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, tp: TPGroup) -> None:
         super().__init__()
-        h, tp = cfg.hidden_size, TPGroup()
+        h = cfg.hidden_size
         eagle3 = cfg.algorithm == "EAGLE3"
         if eagle3:
             self.input_layernorm = RMSNorm(h, cfg.layer.rms_norm_eps)
@@ -59,22 +59,26 @@ class DraftLayer(nn.Module):
 
 
 class EagleDraftModel(nn.Module):
-    """The draft head. Replicated on every TP rank (it is small); shares the
-    target's embedding (and, for EAGLE or an EAGLE3 head without lm_head, its
-    lm_head) by reference. Draft layer i writes layer i of the draft KV pool."""
+    """The draft head. Its decoder layers are sharded over the TP ranks like the
+    target's (heads and MLP split, two all-reduces per layer: measured faster than a
+    replicated layer at real head sizes, ``pdserve.bench.draft_placement``); ``fc``,
+    the norms and its own embedding / lm_head are replicated, so its output is the same
+    on every rank. It shares the target's embedding (and, for EAGLE or an EAGLE3 head
+    without lm_head, its lm_head) by reference. Draft layer i writes layer i of the
+    draft KV pool (this rank's KV heads)."""
 
     stacked_params = STACKED_PARAMS
     ignored_suffixes = ("rotary_emb.inv_freq",)
 
-    def __init__(self, cfg: DraftConfig, embed: Embedding, target_head: LMHead) -> None:
+    def __init__(self, cfg: DraftConfig, embed: Embedding, target_head: LMHead, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
         eagle3 = cfg.algorithm == "EAGLE3"
         in_fc = 3 * (cfg.target_hidden_size or h) if eagle3 else 2 * h
         self.fc = ColumnParallelLinear(in_fc, {0: h}, cfg.fc_bias, TPGroup(), "fc")
-        self.layers = nn.ModuleList([DraftLayer(cfg)] + [DecoderLayer(cfg.layer, i, TPGroup())
-                                                         for i in range(1, cfg.num_layers)])
+        self.layers = nn.ModuleList([DraftLayer(cfg, tp)] + [DecoderLayer(cfg.layer, i, tp)
+                                                             for i in range(1, cfg.num_layers)])
         if cfg.own_embed:
             self.embed_tokens = Embedding(cfg.layer.vocab_size, h)
         if eagle3:
@@ -119,10 +123,10 @@ class EagleDraftModel(nn.Module):
 
     @classmethod
     def load(cls, draft_dir: str | Path, cfg: DraftConfig, embed: Embedding, target_head: LMHead,
-             device: torch.device, dtype: torch.dtype) -> "EagleDraftModel":
+             device: torch.device, dtype: torch.dtype, tp: TPGroup = TPGroup()) -> "EagleDraftModel":
         # Built on the device in its dtype (d2t stays int64); the target's embedding and
         # lm_head are shared by reference, not copied (they are not submodules).
-        model = build_model(lambda: cls(cfg, embed, target_head), Path(draft_dir), device, dtype,
+        model = build_model(lambda: cls(cfg, embed, target_head, tp), Path(draft_dir), device, dtype,
                             rename=lambda name: cls.checkpoint_name(name, cfg.own_embed))
         for module in model.modules():
             if isinstance(module, Linear):

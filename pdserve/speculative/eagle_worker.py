@@ -90,14 +90,15 @@ class EagleWorker:
         self.identity = draft_identity(draft_dir, self.algorithm)  # compared across a PD pair
         target = runner.model
         self.draft = EagleDraftModel.load(draft_dir, self.config, target.model.embed_tokens, target.lm_head,
-                                          self.device, runner.dtype)
+                                          self.device, runner.dtype, runner.tp)
         lay = self.config.layer
         logger.info("draft head: %s, %s layout, %d layer(s), hidden %d, draft vocab %d%s%s", self.algorithm,
                     self.config.layout, self.config.num_layers, lay.hidden_size, self.config.draft_vocab_size,
                     ", own embedding" if self.config.own_embed else "",
                     "" if self.config.own_head or self.algorithm == "EAGLE" else ", the target's lm_head")
-        # One KV layer per draft layer, slot-indexed like the target pool.
-        self.draft_pool = TokenToKVPool("draft", self.config.num_layers, num_slots, lay.num_kv_heads, lay.head_dim,
+        # One KV layer per draft layer, slot-indexed like the target pool; this rank's heads.
+        attn = self.draft.layers[0].self_attn
+        self.draft_pool = TokenToKVPool("draft", self.config.num_layers, num_slots, attn.num_kv_heads, lay.head_dim,
                                         runner.kv_dtype, self.device)
         # The target feature of every slot: what the draft extend reads (and what a
         # prefill server sends a speculative decode server).
@@ -117,7 +118,8 @@ class EagleWorker:
         """The draft's attention follows the target's backend (one that supports the draft
         tree): with ``triton`` its tree steps read each request's prefix in place, from
         lengths on the device."""
-        return create_backend(name, self.draft_pool, lay.num_heads, lay.num_kv_heads, lay.head_dim, draft=True)
+        attn = self.draft.layers[0].self_attn  # this rank's heads
+        return create_backend(name, self.draft_pool, attn.num_heads, attn.num_kv_heads, lay.head_dim, draft=True)
 
     @staticmethod
     def bytes_per_slot(args: ServerArgs, runner: ModelRunner) -> int:
@@ -127,7 +129,9 @@ class EagleWorker:
         config = DraftConfig.from_dir(Path(args.speculative_draft_model_path), args.speculative_algorithm,
                                       runner.config)
         lay = config.layer
-        draft_kv = TokenToKVPool.bytes_per_token(config.num_layers, lay.num_kv_heads, lay.head_dim, runner.kv_dtype)
+        size = runner.tp.size  # KV heads per rank, sharded as QKVParallelLinear shards them
+        heads = lay.num_kv_heads // size if lay.num_kv_heads >= size else 1
+        draft_kv = TokenToKVPool.bytes_per_token(config.num_layers, heads, lay.head_dim, runner.kv_dtype)
         return draft_kv + config.feature_width * torch.empty(0, dtype=runner.dtype).element_size()
 
     def bind(self, req_to_token: torch.Tensor) -> None:

@@ -3,7 +3,9 @@
 P TP2 -> D TP2, page sizes 1 and 16; greedy outputs equal the colocated single-rank
 engine. Decode servers run --debug-tp-agreement (their ranks compare every round's tree
 and accepted path). A speculative prefill pairs with a decode running the same draft
-algorithm (the handshake refuses other pairs; tests/disagg/test_layout.py)."""
+(the handshake refuses other algorithms; tests/disagg/test_layout.py) and hands over its
+draft state: the draft KV, head-sharded like the target's, crosses from every prefill
+rank to the decode ranks holding those heads."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Iterator
 import pytest
 
 from pdserve.testing import build_random_draft, build_random_model
-from tests.disagg.test_pd_servers import pd_generate_all
+from tests.disagg.test_pd_servers import metric_values, pd_generate_all
 from tests.server.conftest import ServerProcess, free_port
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -70,6 +72,11 @@ def reference(dirs) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [o["output_ids"] for o in outs]
 
 
+def transfer_bytes(server: ServerProcess) -> dict[str, float]:
+    values = metric_values(server.client.get("/metrics").text)
+    return {k: values[f'pdserve:kv_transfer_bytes_total{{kind="{k}"}}'] for k in ("target_kv", "draft_kv", "features")}
+
+
 @pytest.mark.parametrize("p_algo,p_tp", [(a, tp) for a in (None, "EAGLE", "EAGLE3") for tp in (1, 2)],
                          ids=[f"p-{a or 'plain'}-tp{tp}" for a in (None, "EAGLE", "EAGLE3") for tp in (1, 2)])
 def test_tp_speculative_pairs_equal_colocated(dirs, decodes, reference, p_algo, p_tp):
@@ -83,10 +90,22 @@ def test_tp_speculative_pairs_equal_colocated(dirs, decodes, reference, p_algo, 
                           "--max-total-tokens", "4096", *spec_flags(dirs, p_algo))
         try:
             for cell in [c for c in cells if DECODES[c] == page]:
-                outs = pd_generate_all(p, decodes[cell], boot, prompts, GREEDY,
-                                       [rng.getrandbits(63) for _ in prompts])
-                assert [o["output_ids"] for o in outs] == want, (p_algo, p_tp, cell, page, outs[0]["meta_info"]["finish_reason"])
+                d = decodes[cell]
+                # Decode would serve prompts it saw in another cell from its prefix cache.
+                assert d.client.post("/flush_cache").status_code == 200
+                before = [transfer_bytes(s) for s in (p, d)]
+                outs = pd_generate_all(p, d, boot, prompts, GREEDY, [rng.getrandbits(63) for _ in prompts])
+                assert [o["output_ids"] for o in outs] == want, (p_algo, p_tp, cell, page)
                 assert all(o["meta_info"]["spec_verify_ct"] >= 1 for o in outs), cell
+                # Rank 0 of each side counts: prefill rank 0 holds 1/p_tp of the KV heads
+                # (target and draft alike: the draft is sharded too) and sends all of them,
+                # decode rank 0 receives 1/d_tp of them.
+                sent, received = ({k: after - b[k] for k, after in transfer_bytes(s).items()}
+                                  for s, b in zip((p, d), before))
+                shares = p_algo == cell[0]
+                assert (sent["draft_kv"] > 0, sent["features"] > 0) == (shares, not shares), sent
+                for kind in ("target_kv", "draft_kv"):
+                    assert sent[kind] * p_tp == received[kind] * cell[1], (kind, sent, received)
             p.assert_pools_full()
         finally:
             p.close()
