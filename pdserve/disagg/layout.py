@@ -98,6 +98,9 @@ class CompatRecord:
     feature_width: int = 0                    # per-position target feature a draft reads (0: none)
     tp_size: int = 1
     extra: tuple[tuple[str, str], ...] = field(default=())
+    # fp8 KV: the per-layer scales' digest (KVScales.digest). The bytes sent are only
+    # meaningful under the sender's scales, and two model paths may ship different ones.
+    kv_scales: str = "1.0"
 
     def mismatches(self, other: "CompatRecord") -> list[str]:
         """Fields that make the pair unusable, as 'field: mine vs theirs' (empty = fine).
@@ -105,7 +108,7 @@ class CompatRecord:
         two speculative sides must run the same algorithm and width."""
         out = []
         for name in ("protocol_version", "architecture", "num_layers", "num_kv_heads", "head_dim", "kv_dtype",
-                     "page_size", "vocab_size"):
+                     "kv_scales", "page_size", "vocab_size"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 out.append(f"{name}: {a} vs {b}")
