@@ -80,6 +80,12 @@ class TritonAttention(BackendInfo):
         if head_dim > MAX_HEAD_DIM:
             raise ValueError(f"--attention-backend triton supports head_dim <= {MAX_HEAD_DIM}, "
                              f"the model has {head_dim}")
+        k_buf = kv_pool.layer_buffers(0)[0]
+        if (k_buf.dtype == torch.float8_e4m3fn and k_buf.is_cuda and torch.version.hip is None
+                and torch.cuda.get_device_capability(k_buf.device) < (8, 9)):
+            # Triton converts fp8e4nv only on sm_89+ (Ada, Hopper); e5m2 converts everywhere.
+            raise ValueError("--kv-cache-dtype fp8_e4m3 with --attention-backend triton needs a GPU of compute "
+                             "capability >= 8.9; use --kv-cache-dtype fp8_e5m2 or --attention-backend torch_native")
         from pdserve.model import triton_attention  # imports triton (TRITON_INTERPRET is read then)
 
         self.kernels = triton_attention
