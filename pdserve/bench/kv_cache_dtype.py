@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     caps = [capacity(model, kv, a.dtype, a.budget_gb) for kv in a.kv_dtypes]
     ref = caps[0]
     print(f"Part 1: KV pool capacity from --cpu-kv-budget-gb {a.budget_gb} (x 0.85), model dtype {a.dtype}")
-    print("| --kv-cache-dtype | stored as | bytes/token (demo) | pool tokens | vs first | bytes/token (Llama-3.1-8B shape) |")
+    print("| --kv-cache-dtype | stored as | bytes/token (demo) | pool tokens | vs first "
+          "| bytes/token (Llama-3.1-8B shape) |")
     print("|---|---|---|---|---|---|")
     for c in caps:
         print(f"| {c['kv']} | {c['kv_dtype']} | {c['bytes_per_token']} | {c['pool_tokens']} | "

@@ -57,7 +57,8 @@ def test_seed_cell_plain_prefill_eagle_decode_with_fp8_kv(make_engine, demo, que
         d.close()
 
 
-def test_plain_pair_host_staged_fp8_equals_colocated_and_sends_a_quarter_of_fp32(make_engine, demo, questions):  # noqa: F811
+def test_plain_pair_host_staged_fp8_equals_colocated_and_sends_a_quarter_of_fp32(
+        make_engine, demo, questions):  # noqa: F811
     """The demo model computes in fp32: its default KV is 4 bytes an element, fp8's 1, and
     a plain pair sends only KV, so the same requests move exactly a quarter of the bytes."""
     _, _, ids = questions

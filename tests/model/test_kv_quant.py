@@ -136,7 +136,8 @@ def test_scale_names_vllm_and_sglang_read():
 
 def test_read_kv_scales_from_checkpoints(tmp_path):
     assert read_kv_scales(_ckpt(tmp_path / "none", {}), 2) == KVScales.ones(2)
-    kv = {"model.layers.0.self_attn.k_scale": torch.tensor(0.5), "model.layers.0.self_attn.v_scale": torch.tensor([2.0]),
+    kv = {"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+          "model.layers.0.self_attn.v_scale": torch.tensor([2.0]),
           "model.layers.1.self_attn.k_proj.output_scale": torch.tensor(0.25),
           "model.layers.1.self_attn.v_proj.output_scale": torch.tensor(4.0)}
     s = read_kv_scales(_ckpt(tmp_path / "kv", kv), 2)

@@ -9,8 +9,6 @@ import pytest
 from tests.conftest import GREEDY
 from tests.scheduler.test_scheduling import NEW, PROMPTS, run
 
-pytestmark = pytest.mark.fast
-
 KV = ["fp8_e4m3", "fp8_e5m2"]
 
 
