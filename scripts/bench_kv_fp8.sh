@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Demo accuracy with fp8 vs default KV (issue 35, point 3): bench.accuracy against
 #   colocated plain, colocated EAGLE, 1P1D plain -> plain, 1P1D plain -> EAGLE (the seed's cell)
-# for each --kv-cache-dtype in $KV_DTYPES. Servers bind 127.0.0.1 on free ports; every
+# (or the cells in $CELLS) for each --kv-cache-dtype in $KV_DTYPES, $QUESTIONS per task. Servers bind 127.0.0.1 on free ports; every
 # process is started and stopped (by its pid) here. Results: $WORK/<kv>_<cell>.json and a
 # markdown table on stdout.
 #
@@ -12,6 +12,7 @@ PYTHON="${PYTHON:-python}"
 WORK="${1:-$(mktemp -d /tmp/bench_kv_fp8.XXXXXX)}"
 : "${KV_DTYPES:=auto fp8_e4m3 fp8_e5m2}"
 : "${QUESTIONS:=64}"
+: "${CELLS:=colocated colocated-eagle pd-plain pd-plain-to-eagle}"
 : "${STARTUP_TIMEOUT:=300}"
 mkdir -p "$WORK/logs"
 EAGLE_DIR="$($PYTHON -c 'from pdserve import assets; print(assets.path("demo-eagle"))')"
@@ -51,7 +52,7 @@ accuracy() {  # accuracy URL OUT
 
 for kv in $KV_DTYPES; do
     KV=(--kv-cache-dtype "$kv")
-    for cell in colocated colocated-eagle pd-plain pd-plain-to-eagle; do
+    for cell in $CELLS; do
         case "$cell" in
             colocated|colocated-eagle)
                 port="$(free_port)"
@@ -82,11 +83,10 @@ for kv in $KV_DTYPES; do
     done
 done
 
-$PYTHON - "$WORK" $KV_DTYPES <<'EOF'
+$PYTHON - "$WORK" "$CELLS" $KV_DTYPES <<'EOF'
 import json, sys
 from pathlib import Path
-work, kvs = Path(sys.argv[1]), sys.argv[2:]
-cells = ["colocated", "colocated-eagle", "pd-plain", "pd-plain-to-eagle"]
+work, cells, kvs = Path(sys.argv[1]), sys.argv[2].split(), sys.argv[3:]
 def load(kv, cell):
     raw = json.loads((work / f"{kv}_{cell}.json").read_text())
     rows = raw if isinstance(raw, list) else raw.get("results", raw.get("tasks", []))
