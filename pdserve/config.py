@@ -42,7 +42,8 @@ class ServerArgs:
     # weights at the config's shapes (benchmarks without a checkpoint, as SGLang's and
     # vLLM's --load-format dummy).
     load_format: str = "auto"
-    # auto: torch_native on CPU, triton on CUDA (see resolved_attention_backend()).
+    # auto: torch_native on CPU, triton on CUDA (see resolved_attention_backend()); SGLang's
+    # kernel-library names (fa3, flashinfer...) run as auto, with a startup line saying so.
     attention_backend: str = "auto"
     # CUDA graphs for decode. Capture is unverified on a GPU so far: off unless
     # --enable-cuda-graph; --disable-cuda-graph (SGLang's) is accepted and wins.
@@ -78,6 +79,9 @@ class ServerArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    # With --tp-size > 1: every speculative round the ranks compare their draft trees and
+    # accepted paths and fail the round's requests if they differ (a bring-up check).
+    debug_tp_agreement: bool = False
     # Prefill/decode disaggregation (SGLang's flags; deadlines in seconds)
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
@@ -200,9 +204,7 @@ class ServerArgs:
         return torch.device(self.device)
 
     def resolved_attention_backend(self) -> str:
-        if self.attention_backend != "auto":
-            return self.attention_backend
-        return attention_backends.auto_backend(self.resolved_device().type)
+        return attention_backends.resolve(self.attention_backend, self.resolved_device().type)
 
     def _attention_backend_supports(self, capability: str) -> bool:
         return bool(getattr(attention_backends.backend_class(self.resolved_attention_backend()), capability))
@@ -251,7 +253,7 @@ class ServerArgs:
 
     @classmethod
     def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
-        parser = _RaisingParser(prog="pdserve", description="pdserve server options", allow_abbrev=False)
+        parser = _RaisingParser(prog="pdserve", description="pdserve server options")  # prefixes: as SGLang
         cls.add_cli_args(parser)
         # Paths may come as os.PathLike (argparse itself only handles str).
         ns = parser.parse_args([os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv]

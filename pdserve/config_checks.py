@@ -230,8 +230,6 @@ def _check_speculative(args: "ServerArgs", bad: Any) -> None:
         raise bad("attention_backend", f"{args.resolved_attention_backend()} cannot run the "
                   f"{args.speculative_algorithm} draft; use "
                   + " or ".join(attention_backends.backends_supporting("supports_draft_tree")))
-    if args.tp_size > 1:
-        raise bad("speculative_algorithm", "speculative decoding with --tp-size > 1 is not supported yet")
 
 
 _TYPE_CHECKS: dict[str, tuple[type, ...]] = {

@@ -16,8 +16,7 @@ from pdserve.config import ConfigError, ServerArgs
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
     parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> int:
         return up(argv[1:])
     if argv and argv[0] == "serve":  # the `pdserve serve ...` console script
         argv = argv[1:]
-    parser = argparse.ArgumentParser(prog="pdserve serve", description="Start a pdserve server.",
-                                     allow_abbrev=False)
+    # Unique prefixes are accepted (argparse's default), as SGLang's launcher does: its
+    # users type `--speculative-algo EAGLE`.
+    parser = argparse.ArgumentParser(prog="pdserve serve", description="Start a pdserve server.")
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(argv)
     try:

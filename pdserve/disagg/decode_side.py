@@ -76,15 +76,29 @@ class DecodeSide(Mode):
         self.handoffs = HandoffTable(tp)
         self._hold_decode = False  # this step committed first tokens: publish them before decoding
         # What one transferred prompt position brings to this rank: its KV (and draft feature).
-        self.bytes_per_position = self.core.kv.kv_pool.bytes_per_token(
+        self.kv_bytes_per_position = self.core.kv.kv_pool.bytes_per_token(
             runner.config.num_layers, runner.num_local_kv_heads, runner.config.head_dim, runner.kv_dtype)
+        self.feature_bytes_per_position = 0
         if self.core.spec is not None:
-            self.bytes_per_position += self.core.spec.features.shape[1] * self.core.spec.features.element_size()
+            self.feature_bytes_per_position = self.core.spec.features[0].numel() * self.core.spec.features.element_size()
         # Committed (KV and first token in) but their grammar still compiling: they join
         # the running batch once it is ready (poll_external), in arrival order.
         self.parked: list[Req] = []
-        self.transfer_bytes = 0       # KV bytes this rank received in committed transfers
+        # Bytes this rank received in committed transfers, by kind (protocol.TRANSFER_KINDS).
+        self.bytes_by_kind = dict.fromkeys(P.TRANSFER_KINDS, 0)
         self.prefix_hit_tokens = 0    # prompt tokens served from this server's own prefix cache
+        # Prompt positions the draft ran over here at commit (prefill work on the decode side).
+        self.draft_prefill_tokens = 0
+
+    @property
+    def bytes_per_position(self) -> int:
+        """What one transferred prompt position brings to this rank."""
+        return self.kv_bytes_per_position + self.feature_bytes_per_position
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of prompt positions received in committed transfers (not the metadata)."""
+        return P.payload_bytes(self.bytes_by_kind)
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -250,7 +264,10 @@ class DecodeSide(Mode):
             self.staging.stage_in(self.core.kv.slots(req, h.first_position, len(req.prompt_ids)))
         req.cached_tokens = record.cached_tokens
         self.prefix_hit_tokens += h.first_position
-        self.transfer_bytes += (len(req.prompt_ids) - h.first_position) * self.bytes_per_position
+        received = len(req.prompt_ids) - h.first_position
+        self.bytes_by_kind["target_kv"] += received * self.kv_bytes_per_position
+        self.bytes_by_kind["features"] += received * self.feature_bytes_per_position
+        self.bytes_by_kind["metadata"] += len(P.encode(record))
         tops = record.top_logprobs
         Draws([record.first_token], [record.logprob] if record.logprob is not None else None,
               [[lp for lp, _ in tops]] if tops else None, [[t for _, t in tops]] if tops else None).append_to(req, 0)
@@ -271,6 +288,8 @@ class DecodeSide(Mode):
         if req.finish is None:
             req.draft_len = 0
             self.core.decoding.prefilled([req])  # the draft state, from the transferred features
+            if self.core.spec is not None:
+                self.draft_prefill_tokens += req.kv_len
 
     def _unpark(self, out: StepOutput) -> bool:
         """Parked requests whose grammar is now ready (or failed, or past its deadline)
@@ -317,7 +336,9 @@ class DecodeSide(Mode):
         return add_pd_state(base, "decode", queued + len(self.parked), transferring, self.manager,
                             queued=queued, transferring=transferring, grammar_parked=len(self.parked),
                             quarantined=self.handoffs.count(Phase.QUARANTINED),
-                            transfer_bytes=self.transfer_bytes, prefix_hit_tokens=self.prefix_hit_tokens)
+                            transfer_bytes=sum(self.bytes_by_kind.values()),
+                            transfer_bytes_by_kind=dict(self.bytes_by_kind), prefix_hit_tokens=self.prefix_hit_tokens,
+                            draft_prefill_tokens=self.draft_prefill_tokens)
 
     def close(self) -> None:
         self.manager.close()

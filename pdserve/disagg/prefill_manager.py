@@ -50,7 +50,6 @@ class _PrefillRoom:
     expected: int
     pending: int = 0                       # queued writes not yet done
     record: P.HandoffRecord | None = None  # set by finish(); sent once pending == 0
-    bytes_sent: int = 0
     acked: bool = False                    # decode told that no write is left in flight
     released: bool = False                 # the scheduler is done; drop once pending == 0
 
@@ -73,7 +72,8 @@ class PrefillTransferManager(_Side):
         self._failed: dict[int, tuple[str, float]] = {}  # released failed room -> (reason, until), oldest first
         self._lock = threading.Lock()
         self._work: queue.Queue[tuple[str, int, Any] | None] = queue.Queue()
-        self.bytes_sent = 0
+        # What crossed the split from this rank, by kind (TRANSFER_KINDS).
+        self.bytes_by_kind = dict.fromkeys(P.TRANSFER_KINDS, 0)
         self.transfer_seconds = 0.0
         self._link = _Link(host, f"prefill{tp_rank}", cfg, self._receive, self._on_peer_dead, self._unsendable)
         self._worker = threading.Thread(target=self._transfer_loop, name=f"prefill{tp_rank}-xfer", daemon=True)
@@ -311,16 +311,18 @@ class PrefillTransferManager(_Side):
                                         "holds and reserved")
                 t0 = time.perf_counter()
                 batch = peer.plan.writes(src, dst)
+                kv_bytes, feature_bytes = batch.nbytes, 0
                 if request.want_features and peer.feature_plan is not None:
                     extra = peer.feature_plan.writes(src, dst)
+                    feature_bytes = extra.nbytes
                     batch = type(batch)(batch.src + extra.src, batch.dst + extra.dst,
                                         batch.lengths + extra.lengths)
                 if not batch.src:
                     continue  # this decode rank needs none of our heads
                 self.engine.write(peer.handshake.session_id, batch)
                 self.transfer_seconds += time.perf_counter() - t0
-                self.bytes_sent += batch.nbytes
-                pr.bytes_sent += batch.nbytes
+                self.bytes_by_kind["target_kv"] += kv_bytes
+                self.bytes_by_kind["features"] += feature_bytes
         except Exception as exc:  # fail the room (before the acknowledgement below), keep the thread
             logger.exception("room %d: transfer failed", room)
             self.rooms.fail(room, f"KV transfer failed: {exc}", "transfer_error")
@@ -353,8 +355,15 @@ class PrefillTransferManager(_Side):
         dests = self._destinations(room)
         if state is not RoomState.TRANSFERRING or len(dests) < pr.expected:
             return  # a decode rank went away: the room fails through its heartbeat
-        self._tell(room, P.HandoffRecord(**{**record.__dict__, "sender": self._link.addr}))
+        record = P.HandoffRecord(**{**record.__dict__, "sender": self._link.addr})
+        self._tell(room, record)
+        self.bytes_by_kind["metadata"] += len(P.encode(record)) * len(dests)
         self.rooms.advance(room, RoomState.SUCCESS)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Every byte sent, the metadata included."""
+        return sum(self.bytes_by_kind.values())
 
     def close(self) -> None:
         self._work.put(None)

@@ -384,6 +384,7 @@ class PrefillSide(Mode):
         return add_pd_state(base, "prefill", booting + awaiting, inflight, self.manager,
                             bootstrapping=booting, awaiting_prompt=awaiting, inflight=inflight,
                             transfer_bytes=self.manager.bytes_sent,
+                            transfer_bytes_by_kind=dict(self.manager.bytes_by_kind),
                             transfer_seconds=self.manager.transfer_seconds)
 
     def close(self) -> None:

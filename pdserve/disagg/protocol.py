@@ -211,6 +211,17 @@ class SpecHandoff:
     hidden: tuple[float, ...]
 
 
+# What crosses the split for a request, as counted (pdserve:kv_transfer_bytes_total{kind}):
+# the target's KV, the draft's KV, per-position target features a decode draft reads,
+# and the control messages' metadata (the handoff record: first token, logprobs).
+TRANSFER_KINDS = ("target_kv", "draft_kv", "features", "metadata")
+
+
+def payload_bytes(by_kind: dict[str, int]) -> int:
+    """The bytes of transferred prompt positions (every kind but the metadata)."""
+    return sum(n for kind, n in by_kind.items() if kind != "metadata")
+
+
 @dataclass(frozen=True)
 class HandoffRecord:
     """Prefill -> decode once all KV of the room is written: the commit message."""

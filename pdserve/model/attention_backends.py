@@ -24,9 +24,14 @@ BACKENDS: dict[str, str] = {
     "torch_native": "pdserve.model.attention:TorchNativeAttention",
     "triton": "pdserve.model.triton_backend:TritonAttention",
 }
-# Names the flag accepts and then refuses, with the reason.
-NOT_WIRED: dict[str, str] = {
-    "flashinfer": "not wired in yet (its wrappers need a GPU run to verify); use triton on CUDA or torch_native",
+# SGLang's kernel-library backends, accepted so its command lines run as written (the
+# first seed passes `--attention-backend fa3`): pdserve ships none of these libraries, so
+# each stands for ``auto`` (pdserve's best backend on the device), and the server says so
+# at startup (``stand_in_note``). name -> what SGLang means by it.
+SGLANG_STAND_INS: dict[str, str] = {
+    "fa3": "FlashAttention-3", "fa4": "FlashAttention-4", "flashinfer": "FlashInfer",
+    "flashmla": "FlashMLA", "cutlass_mla": "CUTLASS MLA", "trtllm_mha": "TensorRT-LLM MHA",
+    "trtllm_mla": "TensorRT-LLM MLA", "aiter": "AITER",
 }
 
 
@@ -87,14 +92,28 @@ class DraftAttentionBackend(AttentionBackend, Protocol):
 
 def backend_names() -> tuple[str, ...]:
     """Every name ``--attention-backend`` accepts besides ``auto``."""
-    return (*BACKENDS, *NOT_WIRED)
+    return (*BACKENDS, *SGLANG_STAND_INS)
+
+
+def resolve(name: str, device_type: str) -> str:
+    """The backend ``--attention-backend name`` runs: ``auto`` and SGLang's kernel
+    libraries choose for the device (``auto_backend``), pdserve's own names are themselves."""
+    return auto_backend(device_type) if name == "auto" or name in SGLANG_STAND_INS else name
+
+
+def stand_in_note(name: str, device_type: str) -> str | None:
+    """The startup line for a stand-in name (None for pdserve's own names and ``auto``)."""
+    if name not in SGLANG_STAND_INS:
+        return None
+    return (f"--attention-backend {name}: pdserve has no {SGLANG_STAND_INS[name]} kernels; running "
+            f"{auto_backend(device_type)}, its best backend on {device_type} (as --attention-backend auto)")
 
 
 def backend_class(name: str) -> type[BackendInfo]:
-    """The backend class called ``name``, imported now. ValueError for a name that is
-    not wired in, or unknown (the message lists the known ones)."""
-    if name in NOT_WIRED:
-        raise ValueError(f"{name} is {NOT_WIRED[name]}")
+    """The backend class called ``name``, imported now. ValueError for a stand-in name
+    (``resolve`` it first) or an unknown one (the message lists the known ones)."""
+    if name in SGLANG_STAND_INS:
+        raise ValueError(f"{name} stands for pdserve's best backend on the device: resolve() it first")
     path = BACKENDS.get(name)
     if path is None:
         raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(backend_names())})")
@@ -105,8 +124,8 @@ def backend_class(name: str) -> type[BackendInfo]:
 
 def refusal(name: str, device_type: str) -> str | None:
     """Why ``--attention-backend name`` cannot serve on ``device_type`` (None: it can)."""
-    if name in NOT_WIRED:
-        return f"{name} is {NOT_WIRED[name]}"
+    if name in SGLANG_STAND_INS:
+        return None  # it runs as auto
     cls = backend_class(name)
     why = cls.device_refusal(device_type)
     if why is not None:

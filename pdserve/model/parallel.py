@@ -59,6 +59,26 @@ class TPGroup:
         return box[0]
 
 
+class TPDisagreement(RuntimeError):
+    """TP ranks computed different values where they must agree (``assert_agree``)."""
+
+
+def assert_agree(tp: TPGroup, x: torch.Tensor, what: str) -> None:
+    """Raise TPDisagreement on every rank unless ``x`` is the same on all of them: the
+    ranks share no state but their commands, so whatever decides a request's next tokens
+    (a draft tree, the accepted path) must come out bit-identical on each. One host
+    all-gather (``--debug-tp-agreement``: a bring-up and test check, not a hot-path one)."""
+    if not tp.enabled:
+        return
+    host = x.detach().to("cpu", torch.float64).reshape(-1)  # token ids are exact in float64
+    parts = [torch.empty_like(host) for _ in range(tp.size)]
+    dist.all_gather(parts, host, group=tp.host_group)
+    differ = [r for r, part in enumerate(parts) if not torch.equal(part, parts[0])]
+    if differ:
+        raise TPDisagreement(f"TP ranks disagree on {what}: rank(s) {differ} differ from rank 0 "
+                             f"(this is rank {tp.rank})")
+
+
 def bind_device(rank: int, device: torch.device) -> torch.device:
     """The device rank ``rank`` builds on. On CUDA it becomes the current device (GPU
     ``index + rank``) before anything is allocated: a plain "cuda" then means this

@@ -10,7 +10,8 @@ from typing import Any, Sequence
 import torch
 
 from pdserve.config import ConfigError, ServerArgs
-from pdserve.model.attention_backends import AttentionBackend, backend_class, backends_supporting, create_backend
+from pdserve.model.attention_backends import (AttentionBackend, backend_class, backends_supporting, create_backend,
+                                             stand_in_note)
 from pdserve.model.cuda_graph import DecodeGraphs
 from pdserve.model.decode_mirror import DecodeKVMirror
 from pdserve.model.device_io import upload
@@ -100,6 +101,9 @@ class ModelRunner:
         """``padding_row``: a request-table row never handed out (every position maps to
         the padding slot 0), for rows that pad a batch to a captured size."""
         self.attention_backend = self.args.resolved_attention_backend()
+        note = stand_in_note(self.args.attention_backend, self.device.type)
+        if note is not None and self.tp.rank == 0:
+            logger.warning(note)
         if (not self.args.disable_decode_kv_mirror and self.device.type == "cpu"
                 and backend_class(self.attention_backend).supports_decode_mirror):
             # Bounded to a quarter of the pool: past that, decode gathers from the pool.

@@ -86,7 +86,8 @@ class Scheduler:
             if args.use_cuda_graph():
                 self.spec.enable_graphs(self.kv.req_table.padding_row, args.cuda_graph_max_bs, capture=True)
             self.kv.followers.append(self.spec)  # the draft features move with the target KV
-            self.decoding = EagleDecoding(self.kv, self.sampler, self.spec, self.stop_reason)
+            self.decoding = EagleDecoding(self.kv, self.sampler, self.spec, self.stop_reason,
+                                          agreement=tp if args.debug_tp_agreement and tp.enabled else None)
         else:
             self.decoding = PlainDecoding(self.kv, self.sampler, self.stop_reason)
         self.queues = RequestQueues(self.kv)

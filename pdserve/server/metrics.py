@@ -23,8 +23,13 @@ class ServerMetrics:
         self.pd_queue = Gauge("pdserve:disagg_queue_reqs", "Prefill/decode requests per transfer state",
                               ["state"], registry=r)
         self.pd_transfer_bytes = Gauge("pdserve:kv_transfer_bytes_total",
-                                       "KV bytes written (prefill server) or received in committed transfers "
-                                       "(decode server, its TP rank 0)", registry=r)
+                                       "Bytes written (prefill server) or received in committed transfers "
+                                       "(decode server), TP rank 0's, by kind: target_kv, draft_kv, features "
+                                       "(per-position target features a decode draft reads), metadata (the "
+                                       "handoff record)", ["kind"], registry=r)
+        self.pd_draft_prefill = Gauge("pdserve:decode_draft_prefill_tokens_total",
+                                      "Decode server: prompt positions its draft model ran over at commit "
+                                      "(prefill work on the decode side)", registry=r)
         self.pd_prefix_hits = Gauge("pdserve:decode_prefix_hit_tokens_total",
                                     "Decode server: prompt tokens served from its own prefix cache instead of "
                                     "transferred", registry=r)
@@ -59,7 +64,10 @@ class ServerMetrics:
                 self.pd_queue.labels(f"room_{room_state}").set(n)
             for reason, n in pd["failures"].items():
                 self.pd_failures.labels(reason).set(n)
-            self.pd_transfer_bytes.set(pd.get("transfer_bytes", 0))
+            for kind, n in pd.get("transfer_bytes_by_kind", {}).items():
+                self.pd_transfer_bytes.labels(kind).set(n)
+            if "draft_prefill_tokens" in pd:
+                self.pd_draft_prefill.set(pd["draft_prefill_tokens"])
             if "prefix_hit_tokens" in pd:
                 self.pd_prefix_hits.set(pd["prefix_hit_tokens"])
             self.pd_refused.set(pd.get("refused_messages", 0))

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from pdserve.model import device_io
+from pdserve.model.parallel import TPGroup, assert_agree
 from pdserve.scheduler.batch import Draws, Gain, Sampler, ScheduledBatch
 from pdserve.scheduler.kv_manager import KVManager
 from pdserve.scheduler.req import FinishReason, Req
@@ -80,11 +81,14 @@ class EagleDecoding:
     returns what each request gained and never touches the scheduler."""
 
     def __init__(self, kv: KVManager, sampler: Sampler, spec: EagleWorker,
-                 stop: Callable[[Req], FinishReason | None]) -> None:
+                 stop: Callable[[Req], FinishReason | None], agreement: TPGroup | None = None) -> None:
+        """``agreement``: the TP group whose ranks must propose the same tree and accept the
+        same path each round, checked (``--debug-tp-agreement``); None: not checked."""
         self.kv = kv
         self.sampler = sampler
         self.spec = spec
         self.stop = stop
+        self.agreement = agreement
         self.lookahead = spec.lookahead  # positions past kv_len one round uses: the tree and the draft scratch
         # The deepest node a tree can have (and the longest accepted path, minus the root).
         self.max_depth = min(spec.steps, spec.num_draft_tokens - 1)
@@ -94,6 +98,8 @@ class EagleDecoding:
         ends first), then draft the tree: the draft model's forwards run here."""
         self.kv.open_rounds(reqs, self.spec.lookahead)
         tree = self.spec.propose(reqs)
+        if self.agreement is not None:
+            assert_agree(self.agreement, torch.cat([tree.tokens, tree.parents], dim=1), "the draft tree")
         return ScheduledBatch("verify", reqs, self.spec.verify_input(reqs, tree), tree=tree)
 
     def process(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Gain]:
@@ -129,6 +135,10 @@ class EagleDecoding:
             spec.num_verify_rounds += 1
             spec.num_emitted_tokens += emitted
             gains.append(Gain(req, reason))
+        if self.agreement is not None:
+            # Fixed size per request (a length that differed would break the all-gather).
+            assert_agree(self.agreement, torch.tensor([(r.kv_len, len(r.output_ids), r.output_ids[-1]) for r in reqs],
+                                                      dtype=torch.int64), "the accepted tokens")
         # One batched compaction (done on the device already on the batched path), then
         # the round's pages past each kept length go back (page ids from the host: no
         # device read); requests that stop release their compacted KV when the

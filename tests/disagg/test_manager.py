@@ -56,7 +56,9 @@ def test_handoff_in_chunks(pair):
     for name in src:
         assert torch.equal(dst[name][30:40], src[name][[0, 1, 2, 3, 9, 8, 7, 6, 5, 4]])
         assert not dst[name][:30].any() and not dst[name][40:].any()
-    assert pre.status(42)[0] is RoomState.SUCCESS and pre.bytes_sent == 2 * 10 * WIDTH * 4
+    assert pre.status(42)[0] is RoomState.SUCCESS and pre.bytes_by_kind["target_kv"] == 2 * 10 * WIDTH * 4
+    assert pre.bytes_by_kind["metadata"] == len(P.encode(record)) and pre.bytes_by_kind["features"] == 0
+    assert pre.bytes_sent == 2 * 10 * WIDTH * 4 + len(P.encode(record))
     pre.release(42)
     dec.release(42)
     assert dec.rooms.counts()["success"] == 0

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.disagg import protocol as P
 from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
 from pdserve.disagg.decode_side import decode_scheduler
@@ -53,7 +54,7 @@ def test_second_turn_hits_decode_cache_and_equals_colocated(make_engine, dirs, p
     p, d = pair(dirs, p_algo, d_algo, extra)
     try:
         assert run_pair(p, d, turn1) == answers
-        bytes1, sent1 = d.mode.transfer_bytes, p.mode.manager.bytes_sent
+        bytes1, sent1 = d.mode.payload_bytes, P.payload_bytes(p.mode.manager.bytes_by_kind)
         assert bytes1 == sum(len(t) for t in turn1) * d.mode.bytes_per_position and d.mode.prefix_hit_tokens == 0
         # What decode holds of each turn-2 prompt: turn 1's prompt and answer (page aligned).
         ps = d.page_size
@@ -61,9 +62,9 @@ def test_second_turn_hits_decode_cache_and_equals_colocated(make_engine, dirs, p
         assert all(e >= (len(a) + len(b) - 1) // ps * ps for e, a, b in zip(expect, turn1, answers))
         assert run_pair(p, d, turn2) == ref
         assert d.mode.prefix_hit_tokens == sum(expect)
-        assert d.mode.transfer_bytes - bytes1 == sum(len(t) - e for t, e in zip(turn2, expect)) * d.mode.bytes_per_position
+        assert d.mode.payload_bytes - bytes1 == sum(len(t) - e for t, e in zip(turn2, expect)) * d.mode.bytes_per_position
         # Prefill wrote only what decode lacked: fewer bytes than turn 2's whole prompts.
-        sent2 = p.mode.manager.bytes_sent - sent1
+        sent2 = P.payload_bytes(p.mode.manager.bytes_by_kind) - sent1
         assert 0 < sent2 < sent1 * sum(map(len, turn2)) / sum(map(len, turn1))
         pools_full(p)
         pools_full(d)
@@ -84,10 +85,10 @@ def test_reuse_off_and_evicted_prefix_send_everything(make_engine, dirs):
             assert run_pair(p, d, turn1) == answers
             if not d_extra:
                 assert d.flush_cache()  # decode lost the prefix between the turns
-            before = d.mode.transfer_bytes
+            before = d.mode.payload_bytes
             assert run_pair(p, d, turn2) == ref
             assert d.mode.prefix_hit_tokens == 0
-            assert d.mode.transfer_bytes - before == sum(map(len, turn2)) * d.mode.bytes_per_position
+            assert d.mode.payload_bytes - before == sum(map(len, turn2)) * d.mode.bytes_per_position
             pools_full(p)
             pools_full(d)
         finally:
@@ -112,9 +113,9 @@ def test_partly_evicted_prefix_sends_the_rest(make_engine, dirs, page_size):
         assert evicted > 0
         left = [cached_len(d, t) for t in turn2]
         assert sum(left) < sum(full)
-        before = d.mode.transfer_bytes
+        before = d.mode.payload_bytes
         assert run_pair(p, d, turn2) == ref
-        assert d.mode.transfer_bytes - before == sum(len(t) - h for t, h in zip(turn2, left)) * d.mode.bytes_per_position
+        assert d.mode.payload_bytes - before == sum(len(t) - h for t, h in zip(turn2, left)) * d.mode.bytes_per_position
         pools_full(p)
         pools_full(d)
     finally:
@@ -134,9 +135,9 @@ def test_whole_prompt_cached_transfers_nothing(make_engine, dirs):
     try:
         run_pair(p, d, turn1)
         assert [cached_len(d, t) for t in repeat] == [len(t) for t in repeat]
-        before, sent = d.mode.transfer_bytes, p.mode.manager.bytes_sent
+        before, sent = d.mode.payload_bytes, P.payload_bytes(p.mode.manager.bytes_by_kind)
         assert run_pair(p, d, repeat) == ref
-        assert d.mode.transfer_bytes == before and p.mode.manager.bytes_sent == sent
+        assert d.mode.payload_bytes == before and P.payload_bytes(p.mode.manager.bytes_by_kind) == sent
         pools_full(p)
         pools_full(d)
     finally:

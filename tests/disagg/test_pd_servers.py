@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from pdserve.disagg import protocol as P
 from pdserve.testing import build_random_draft, build_random_model
 from tests.server.conftest import ServerProcess, assert_openai_error, free_port
 
@@ -32,6 +33,12 @@ async def pd_generate(p: ServerProcess, d: ServerProcess, boot_port: int, body: 
     assert rp.status_code == 200, rp.text
     assert rd.status_code == 200, rd.text
     return rd.json()
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """A /metrics page's samples by name and labels."""
+    return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+            if ln and not ln.startswith("#")}
 
 
 def prompts_and_reference(make_engine, target, seed: int, n: int, min_len: int, max_len: int,
@@ -98,9 +105,18 @@ def test_pd_servers_equal_colocated(dirs, make_engine, decode_spec):
         assert_openai_error(p.client.post("/v1/completions", json={"prompt": "hi", "bootstrap_host": "127.0.0.1",
                                                                    "bootstrap_room": 2**63}),
                             fields=("bootstrap_room",))
-        metrics = p.client.get("/metrics").text
-        sent = next(ln for ln in metrics.splitlines() if ln.startswith("pdserve:kv_transfer_bytes"))
-        assert float(sent.split()[-1]) > 0
+        # Bytes by kind on both sides: target KV and the handoff records always; per-position
+        # target features only for a speculative decode, whose draft then runs over each
+        # prompt here (decode_draft_prefill_tokens_total).
+        sent, received = metric_values(p.client.get("/metrics").text), metric_values(d.client.get("/metrics").text)
+        for side in (sent, received):
+            kinds = {k: side[f'pdserve:kv_transfer_bytes_total{{kind="{k}"}}'] for k in P.TRANSFER_KINDS}
+            assert kinds["target_kv"] > 0 and kinds["metadata"] > 0 and kinds["draft_kv"] == 0, kinds
+            assert (kinds["features"] > 0) == decode_spec, kinds
+        assert sent['pdserve:kv_transfer_bytes_total{kind="target_kv"}'] == \
+            received['pdserve:kv_transfer_bytes_total{kind="target_kv"}']
+        draft_prefill = received["pdserve:decode_draft_prefill_tokens_total"]
+        assert draft_prefill == (sum(map(len, prompts)) + 2 * sum(map(len, prompts[:2])) if decode_spec else 0)
         assert 'pdserve:disagg_queue_reqs{state="transferring"}' in d.client.get("/metrics").text
 
 
@@ -118,12 +134,12 @@ def test_300_concurrent_requests_over_1p1d_lose_nothing(dirs, make_engine):
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
 
 
-@pytest.mark.parametrize("p_tp,d_tp,decode_spec", [(1, 2, False), (2, 1, False), (2, 1, True)],
-                         ids=["p-tp1-d-tp2", "p-tp2-d-tp1", "p-tp2-d-tp1-eagle"])
+@pytest.mark.parametrize("p_tp,d_tp,decode_spec", [(1, 2, False), (2, 1, False)], ids=["p-tp1-d-tp2", "p-tp2-d-tp1"])
 def test_heterogeneous_tensor_parallel_pairs(dirs, make_engine, p_tp, d_tp, decode_spec):
     """Prefill and decode shard the KV heads differently: each prefill rank writes the
     heads it holds into the decode rank that holds them (GQA, 2 KV heads); page size 16
-    and chunked prefill; outputs equal the colocated single-rank engine."""
+    and chunked prefill; outputs equal the colocated single-rank engine. With drafts on
+    either side: tests/disagg/test_pd_tp_speculative.py."""
     target, draft = dirs
     rng, prompts, ref = prompts_and_reference(make_engine, target, 21, 5, 5, 70, GREEDY)
     boot = free_port()

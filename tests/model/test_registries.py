@@ -50,7 +50,7 @@ def fake_backends(monkeypatch):
 
 
 def test_every_registered_backend_is_found_by_name_and_is_a_flag_choice():
-    assert ab.backend_names() == ("torch_native", "triton", "flashinfer")
+    assert ab.backend_names() == ("torch_native", "triton", *ab.SGLANG_STAND_INS)
     assert config_module.ATTENTION_BACKENDS == ("auto", *ab.backend_names())
     for name in ab.BACKENDS:
         cls = ab.backend_class(name)
@@ -74,12 +74,24 @@ def test_triton_backend_class_imports_no_triton():
 
 
 def test_unknown_backend_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown attention backend 'fa3' \\(choose from torch_native, triton, "
-                                         "flashinfer\\)"):
-        ab.backend_class("fa3")
-    with pytest.raises(ValueError, match="flashinfer is not wired in yet"):
-        ab.backend_class("flashinfer")
-    assert ab.refusal("flashinfer", "cuda").startswith("flashinfer is not wired in yet")
+    with pytest.raises(ValueError, match="unknown attention backend 'fa9' \\(choose from torch_native, triton, "
+                                         "fa3, fa4, flashinfer"):
+        ab.backend_class("fa9")
+
+
+@pytest.mark.parametrize("name", ["fa3", "flashinfer", "trtllm_mha"])
+def test_sglang_kernel_names_run_as_auto_and_say_so(name):
+    """SGLang's command lines run as written: its kernel-library names stand for pdserve's
+    best backend on the device, never refused, never silently."""
+    assert ab.refusal(name, "cpu") is None and ab.refusal(name, "cuda") is None
+    assert ab.resolve(name, "cpu") == ab.auto_backend("cpu") == "torch_native"
+    assert ServerArgs(attention_backend=name, device="cpu").resolved_attention_backend() == "torch_native"
+    note = ab.stand_in_note(name, "cpu")
+    assert note is not None and note.startswith(f"--attention-backend {name}: pdserve has no ") and \
+        "running torch_native, its best backend on cpu" in note
+    assert ab.stand_in_note("torch_native", "cpu") is None and ab.stand_in_note("auto", "cpu") is None
+    with pytest.raises(ValueError, match="resolve"):
+        ab.backend_class(name)
 
 
 def test_capabilities_choose_and_refuse():
@@ -94,7 +106,7 @@ def test_capabilities_choose_and_refuse():
 
 
 def test_a_new_backend_is_one_registry_line(fake_backends, monkeypatch):
-    assert ab.backend_names() == ("torch_native", "triton", "fake", "everywhere", "flashinfer")
+    assert ab.backend_names() == ("torch_native", "triton", "fake", "everywhere", *ab.SGLANG_STAND_INS)
     # Its declarations, not its name, decide: device, package, capabilities.
     assert ab.refusal("fake", "cpu") == "fake runs on cuda only, not cpu"
     assert ab.refusal("fake", "cuda") == "fake is not installed (pip install pdserve_no_such_package)"
