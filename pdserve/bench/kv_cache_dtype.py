@@ -9,8 +9,8 @@ Llama-3.1-8B shape (32 layers, 8 KV heads of 128), computed, not run.
 
 Part 2, wire bytes: held-out demo questions through an in-process prefill/decode pair
 (``disagg.local_pair``: real control sockets, in-process copies); bytes the prefill side
-wrote per request (KV, and with a speculative decode the target features, which stay in
-the model dtype), and whether the greedy outputs equal the colocated engine's with the
+sent per request, by kind (target KV; with a speculative decode the target features,
+which stay in the model dtype; the handoff metadata), and whether the greedy outputs equal the colocated engine's with the
 same KV dtype.
 """
 
@@ -70,14 +70,15 @@ def wire(model: Path, kv: str, dtype: str, d_algo: str | None, questions: int) -
                    fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         got = [r.output_ids for r in run_pair(p, d, ids, params, timeout=600)]
-        sent = p.mode.manager.bytes_sent
+        by_kind = dict(p.mode.manager.bytes_by_kind)
     finally:
         p.close()
         d.close()
     prompt_tokens = sum(len(i) for i in ids)
+    sent = sum(by_kind.values())
     return {"kv": kv, "decode": d_algo or "plain", "requests": len(ids), "prompt_tokens": prompt_tokens,
-            "bytes_per_request": sent / len(ids), "bytes_per_prompt_token": sent / prompt_tokens,
-            "outputs_equal_colocated": got == ref}
+            "bytes_by_kind": by_kind, "bytes_per_request": sent / len(ids),
+            "kv_bytes_per_prompt_token": by_kind["target_kv"] / prompt_tokens, "outputs_equal_colocated": got == ref}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,10 +103,13 @@ def main(argv: list[str] | None = None) -> None:
     wires = [wire(model, kv, a.dtype, algo, a.questions) for kv in a.kv_dtypes for algo in (None, "EAGLE")]
     print(f"\nPart 2: bytes written by prefill per request, 1P1D in one process, {wires[0]['requests']} requests "
           f"({wires[0]['prompt_tokens']} prompt tokens)")
-    print("| --kv-cache-dtype | decode | bytes/request | bytes/prompt token | greedy = colocated (same KV dtype) |")
-    print("|---|---|---|---|---|")
+    print("| --kv-cache-dtype | decode | bytes/request (all) | KV | features | metadata | KV bytes/prompt token "
+          "| greedy = colocated (same KV dtype) |")
+    print("|---|---|---|---|---|---|---|---|")
     for w in wires:
-        print(f"| {w['kv']} | {w['decode']} | {w['bytes_per_request']:.0f} | {w['bytes_per_prompt_token']:.1f} | "
+        n, kind = w["requests"], w["bytes_by_kind"]
+        print(f"| {w['kv']} | {w['decode']} | {w['bytes_per_request']:.0f} | {kind['target_kv'] / n:.0f} | "
+              f"{kind['features'] / n:.0f} | {kind['metadata'] / n:.0f} | {w['kv_bytes_per_prompt_token']:.1f} | "
               f"{'yes' if w['outputs_equal_colocated'] else 'NO'} |")
     if a.output_file:
         a.output_file.write_text(json.dumps({"capacity": caps, "wire": wires}, indent=1))

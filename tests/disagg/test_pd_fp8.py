@@ -70,7 +70,8 @@ def test_plain_pair_host_staged_fp8_equals_colocated_and_sends_a_quarter_of_fp32
         p, d = pair(demo, None, kv, {"disaggregation_kv_staging": "host"})
         try:
             assert run_pair(p, d, ids, PARAMS) == ref
-            sent[kv] = p.mode.manager.bytes_sent
+            sent[kv] = p.mode.manager.bytes_by_kind["target_kv"]
+            assert p.mode.manager.bytes_by_kind["features"] == 0
             pools_full(p)
             pools_full(d)
         finally:
