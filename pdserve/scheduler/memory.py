@@ -136,7 +136,7 @@ class TokenToKVPool:
         self.fp8 = is_fp8(dtype)
         if self.fp8 and compute_dtype is None:
             raise ValueError(f"the {name} KV pool is {dtype}: it needs the compute dtype its reads dequantise to")
-        if scales is not None and not self.fp8 and scales != KVScales.ones(num_layers):
+        if scales is not None and not self.fp8 and any(x != 1.0 for x in (*scales.k, *scales.v)):
             raise ValueError(f"KV scales apply to an fp8 KV pool only; the {name} pool is {dtype}")
         self.scales = scales or KVScales.ones(num_layers)
         if len(self.scales.k) != num_layers:
