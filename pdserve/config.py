@@ -17,7 +17,7 @@ import torch
 from pdserve.config_checks import (ATTENTION_BACKENDS, DEVICES, DISAGGREGATION_MODES, DTYPES,  # noqa: F401
                                    KV_CACHE_DTYPES, LOAD_FORMATS, PATH_FIELDS, SCHEDULE_POLICIES,
                                    SPECULATIVE_ALGORITHMS, STAGING_MODES, TRANSFER_BACKENDS, ConfigError, flag,
-                                   validate)
+                                   parse_host_port, validate)
 from pdserve.model import attention_backends
 from pdserve.server.reasoning import REASONING_PARSERS
 from pdserve.server.tool_calls import TOOL_CALL_PARSERS
@@ -30,6 +30,16 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "auto"
     tp_size: int = 1
+    # Multi-node TP (SGLang's flags): every node runs the same command but its
+    # --node-rank; node R runs TP ranks [R * tp/nnodes, (R + 1) * tp/nnodes). The TP group
+    # meets at --dist-init-addr HOST:PORT (node 0 listens there). Only node 0 serves HTTP.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    # Seconds every TP rank waits at startup for the whole group (all nodes) to join; None:
+    # 300. Only the rendezvous: collectives keep torch's default deadline, since an idle
+    # server's followers sit in one (a short deadline would end an idle group).
+    dist_timeout: float | None = None
     mem_fraction_static: float = 0.85
     max_total_tokens: int | None = None
     max_running_requests: int = 256
@@ -208,6 +218,18 @@ class ServerArgs:
 
     def _attention_backend_supports(self, capability: str) -> bool:
         return bool(getattr(attention_backends.backend_class(self.resolved_attention_backend()), capability))
+
+    def node_tp_ranks(self) -> range:
+        """The TP ranks this node runs (all of them on a single node)."""
+        per_node = self.tp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+    def dist_init_host_port(self) -> tuple[str, int] | None:
+        """--dist-init-addr as (host, port), IPv6 brackets stripped; None when not given."""
+        return parse_host_port(self.dist_init_addr) if self.dist_init_addr is not None else None
+
+    def rendezvous_timeout(self) -> float:
+        return self.dist_timeout if self.dist_timeout is not None else 300.0
 
     def use_cuda_graph(self) -> bool:
         return self.enable_cuda_graph and not self.disable_cuda_graph

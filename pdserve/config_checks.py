@@ -70,6 +70,7 @@ def validate(args: "ServerArgs") -> None:
     if args.tp_size < 1:
         raise bad("tp_size", f"must be >= 1, got {args.tp_size}")
     _check_device(args, bad)
+    _check_nodes(args, bad)
     if not 0.0 < args.mem_fraction_static < 1.0:
         raise bad("mem_fraction_static", f"must be in (0, 1), got {args.mem_fraction_static}")
     if args.max_total_tokens is not None and args.max_total_tokens < 1:
@@ -148,6 +149,50 @@ def _check_device(args: "ServerArgs", bad: Any) -> None:
     if args.use_cuda_graph() and not args._attention_backend_supports("supports_cuda_graphs"):
         raise bad("enable_cuda_graph", "CUDA graphs need --attention-backend "
                   + " or ".join(attention_backends.backends_supporting("supports_cuda_graphs")))
+
+def _check_nodes(args: "ServerArgs", bad: Any) -> None:
+    """--nnodes / --node-rank / --dist-init-addr / --dist-timeout (multi-node TP)."""
+    if args.nnodes < 1:
+        raise bad("nnodes", f"must be >= 1, got {args.nnodes}")
+    if args.tp_size % args.nnodes:
+        raise bad("nnodes", f"{args.nnodes} does not divide {flag('tp_size')} {args.tp_size} "
+                  "(every node runs the same number of TP ranks)")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise bad("node_rank", f"must be in [0, {args.nnodes}) for {flag('nnodes')} {args.nnodes}, "
+                  f"got {args.node_rank}")
+    if args.dist_timeout is not None and not 0 < args.dist_timeout < float("inf"):
+        raise bad("dist_timeout", f"must be > 0 and finite, got {args.dist_timeout}")
+    if args.dist_init_addr is None:
+        if args.nnodes > 1:
+            raise bad("dist_init_addr", f"is required with {flag('nnodes')} {args.nnodes}: the HOST:PORT of "
+                      "node 0 where the TP group meets (the same on every node)")
+        return
+    try:
+        host, _ = parse_host_port(args.dist_init_addr)
+    except ValueError as exc:
+        raise bad("dist_init_addr", str(exc)) from None
+    if args.nnodes > 1 and args.disaggregation_mode != "null" and is_loopback(args.host) \
+            and not is_loopback(host):
+        # The bootstrap server and every rank's transfer endpoint listen on --host: a
+        # loopback one cannot be reached from the other nodes.
+        raise bad("host", f"{args.host!r} is a loopback address, but this {args.disaggregation_mode} "
+                  f"instance spans nodes ({flag('dist_init_addr')} {args.dist_init_addr}): give an "
+                  "address the other nodes and the peer servers can reach")
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPv6]:PORT`` as (host, port); ValueError saying what is wrong."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"{text!r}: write an IPv6 address in brackets ([::1]:PORT)")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT (a port in [1, 65535])")
+    if any(c.isspace() or c in "/@?#" for c in host):
+        raise ValueError(f"{text!r}: {host!r} is not a hostname or an IP address")
+    return host, int(port)
+
 
 def _check_disaggregation(args: "ServerArgs", bad: Any) -> None:
     for name, choices in (("disaggregation_mode", DISAGGREGATION_MODES),

@@ -26,7 +26,7 @@ from pdserve.requests import RequestBuilder
 from pdserve.scheduler.messages import Command, NewRequest
 from pdserve.scheduler.req import Req, samples_from_message
 from pdserve.scheduler.scheduler import Scheduler
-from pdserve.scheduler.worker import PipeIO, build_scheduler, free_tcp_port, run_rank
+from pdserve.scheduler.worker import PipeIO, build_scheduler, run_rank, tp_init_method
 from pdserve.server.results import SampleOutput, native_result
 from pdserve.tokenizer import load_tokenizer, trim_at_stop
 
@@ -60,6 +60,9 @@ def check_tp_layout(model_dir: Path, tp_size: int) -> None:
 class Engine:
     def __init__(self, model_path: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        if self.args.nnodes > 1:  # its TP ranks are this process's children; nothing runs elsewhere
+            raise ConfigError(f"--nnodes: the offline Engine runs on one node, got {self.args.nnodes} "
+                              "(serve a multi-node instance with `python -m pdserve.launch_server`)")
         self.model_dir = resolve_model_dir(self.args)
         self.tokenizer_dir = Path(self.args.tokenizer_path) if self.args.tokenizer_path else self.model_dir
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
@@ -83,7 +86,7 @@ class Engine:
     # ---- lifecycle --------------------------------------------------------------
     def _start_tp_workers(self) -> None:
         ctx = mp.get_context("spawn")
-        init = f"tcp://127.0.0.1:{free_tcp_port()}"
+        init = tp_init_method(self.args)
         check_tp_layout(self.model_dir, self.args.tp_size)
         parent_conn, child_conn = ctx.Pipe()
         self._conn = parent_conn

@@ -91,6 +91,11 @@ def parse_args(argv: Sequence[str]) -> UpArgs:
         draft = str(assets.path(DEMO_DRAFTS[ns.speculative_algorithm]))
     owned = {"--port", "--host", "--disaggregation-mode", "--disaggregation-bootstrap-port", "--model-path"}
     clash = next((a for a in rest if a.split("=", 1)[0] in owned), None)
+    multinode = next((a for a in rest if a.split("=", 1)[0] in ("--nnodes", "--node-rank", "--dist-init-addr")), None)
+    if multinode is not None:  # up's servers are all this machine's processes
+        ap.error(f"{multinode.split('=', 1)[0]}: pdserve up starts one machine's deployment; start an instance "
+                 "spanning nodes with `pdserve serve ... --nnodes N --node-rank R --dist-init-addr HOST:PORT` "
+                 "on each node")
     if clash is not None:
         ap.error(f"{clash.split('=', 1)[0]}: set by pdserve up itself (use its own flags)")
     servers = 1 if ns.disaggregation_mode == "null" else ns.prefill + ns.decode

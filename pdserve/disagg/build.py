@@ -1,6 +1,7 @@
 """Building a prefill or decode server's scheduler rank: its transfer engine, control
 link, and side of the protocol composed into the one scheduler; a prefill server's
-rank 0 also runs the bootstrap registry and every rank registers in it.
+rank 0 also runs the bootstrap registry and every rank registers in it, on whichever
+node it runs (each advertises its own node's --host).
 
 ``pdserve.scheduler.mode.SCHEDULER_MODES`` names these builders (imported lazily, so
 the scheduler package imports nothing of this one)."""
@@ -55,12 +56,14 @@ def build_prefill_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: 
     side = sched.mode
     assert isinstance(side, PrefillSide)
     # The registry accepts only this server's ranks: rank 0 draws a key and shares it
-    # over the TP group (nothing outside this server ever sees it).
-    key = tp.broadcast_object(secrets.token_bytes(32) if tp.rank == 0 else None)
+    # over the TP group (nothing outside this server ever sees it), with the address its
+    # registry is reached at: with --nnodes > 1 some ranks run on other machines.
+    key, registry_host = tp.broadcast_object(  # type: ignore[misc]
+        (secrets.token_bytes(32), host) if tp.rank == 0 else None)
     registry_auth = Authenticator(key, f"prefill-rank{tp.rank}")  # type: ignore[arg-type]
     if tp.rank == 0:
         side.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, registry_auth,
                                          Authenticator(secret, "bootstrap") if secret is not None else None)
-    register_rank(f"http://{host}:{args.disaggregation_bootstrap_port}",
+    register_rank(f"http://{registry_host}:{args.disaggregation_bootstrap_port}",
                   side.manager.rank_info(tp.size, host), registry_auth, args.disaggregation_bootstrap_timeout)
     return sched

@@ -140,18 +140,25 @@ class DecodeTransferManager(_Side):
         return peers
 
     def add_room(self, room: int, peers: Sequence[_PrefillPeer], dst_slots: Sequence[int],
-                 want_features: bool = False, first_position: int = 0) -> None:
+                 want_features: bool = False, first_position: int = 0, want_draft_state: bool = False) -> None:
         """Reserve ``room``: tell every prefill rank where the KV of prompt positions
-        ``first_position`` on goes (decode holds the ones before)."""
+        ``first_position`` on goes (decode holds the ones before), and what else its
+        draft needs: the target features, or the draft state prefill computed."""
         self.rooms.open(room)
         with self._lock:
             self._rooms[room] = _DecodeRoom(senders={p.control_addr for p in peers})
         # Waiting before the first send: prefill may answer (its prompt already done)
         # before this thread runs again, and its record moves the room on.
         self.rooms.advance(room, RoomState.WAITING_FOR_INPUT)
-        req = P.TransferRequest(room, self.decode_id, first_position, tuple(dst_slots), want_features)
+        req = P.TransferRequest(room, self.decode_id, first_position, tuple(dst_slots), want_features,
+                                want_draft_state)
         for p in peers:
             self._link.send(p.control_addr, req)
+
+    def shares_draft(self, peers: Sequence[_PrefillPeer]) -> bool:
+        """Whether every prefill rank of a connection runs this server's draft (same head,
+        same top-k): its requests then start from the draft state prefill computed."""
+        return bool(peers) and all(self.compat.shares_draft_with(p.info.compat) for p in peers)
 
     def poll(self, room: int) -> tuple[RoomState, P.HandoffRecord | None, str | None]:
         r = self.rooms.get(room)

@@ -37,8 +37,8 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.admission import too_big
 from pdserve.scheduler.batch import Draws, Gain, StepOutput
-from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
-                                    kv_layout, register_buffers, split_samples, transfer_staging)
+from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, carried_state,
+                                    compat_record, kv_layout, register_buffers, split_samples, transfer_staging)
 from pdserve.scheduler.kv_manager import pages_for
 from pdserve.scheduler.mode import Mode
 from pdserve.scheduler.radix_cache import PrefixMatch
@@ -78,9 +78,12 @@ class DecodeSide(Mode):
         # What one transferred prompt position brings to this rank: its KV (and draft feature).
         self.kv_bytes_per_position = self.core.kv.kv_pool.bytes_per_token(
             runner.config.num_layers, runner.num_local_kv_heads, runner.config.head_dim, runner.kv_dtype)
-        self.feature_bytes_per_position = 0
-        if self.core.spec is not None:
-            self.feature_bytes_per_position = self.core.spec.features[0].numel() * self.core.spec.features.element_size()
+        self.feature_bytes_per_position = self.draft_kv_bytes_per_position = 0
+        spec = self.core.spec
+        if spec is not None:
+            self.feature_bytes_per_position = spec.features[0].numel() * spec.features.element_size()
+            self.draft_kv_bytes_per_position = sum(t[0].numel() * t.element_size()
+                                                   for t in spec.draft_pool.buffers().values())
         # Committed (KV and first token in) but their grammar still compiling: they join
         # the running batch once it is ready (poll_external), in arrival order.
         self.parked: list[Req] = []
@@ -90,10 +93,12 @@ class DecodeSide(Mode):
         # Prompt positions the draft ran over here at commit (prefill work on the decode side).
         self.draft_prefill_tokens = 0
 
-    @property
-    def bytes_per_position(self) -> int:
-        """What one transferred prompt position brings to this rank."""
-        return self.kv_bytes_per_position + self.feature_bytes_per_position
+    def bytes_per_position(self, draft_state: bool = False) -> int:
+        """What one transferred prompt position brings to this rank: its target KV and, with
+        a draft, its draft KV (``draft_state``: prefill ran this server's draft) or its
+        target feature (decode drafts the prompt itself)."""
+        return self.kv_bytes_per_position + (self.draft_kv_bytes_per_position if draft_state
+                                             else self.feature_bytes_per_position)
 
     @property
     def payload_bytes(self) -> int:
@@ -239,7 +244,10 @@ class DecodeSide(Mode):
         assert isinstance(peers, list)  # every rank reported the connection up
         h.phase = Phase.RECEIVING  # (before asking: a failure while asking quarantines the pages)
         transferring.append(req)
-        self.manager.add_room(h.room, peers, slots, want_features=self.core.spec is not None, first_position=held)
+        spec = self.core.spec is not None
+        h.draft_state = spec and self.manager.shares_draft(peers)
+        self.manager.add_room(h.room, peers, slots, want_features=spec and not h.draft_state, first_position=held,
+                              want_draft_state=h.draft_state)
         return growth
 
     def _cached_prefix(self, req: Req) -> PrefixMatch | None:
@@ -266,8 +274,14 @@ class DecodeSide(Mode):
         self.prefix_hit_tokens += h.first_position
         received = len(req.prompt_ids) - h.first_position
         self.bytes_by_kind["target_kv"] += received * self.kv_bytes_per_position
-        self.bytes_by_kind["features"] += received * self.feature_bytes_per_position
+        self.bytes_by_kind["draft_kv" if h.draft_state else "features"] += received * (
+            self.bytes_per_position(h.draft_state) - self.kv_bytes_per_position)
         self.bytes_by_kind["metadata"] += len(P.encode(record))
+        if h.draft_state:  # prefill ran this server's draft over the prompt: start from its state
+            if record.draft_state is None:
+                raise RuntimeError("prefill sent no draft state, which this request asked for")
+            assert self.core.spec is not None
+            self.core.spec.restore(req, carried_state(record.draft_state))
         tops = record.top_logprobs
         Draws([record.first_token], [record.logprob] if record.logprob is not None else None,
               [[lp for lp, _ in tops]] if tops else None, [[t for _, t in tops]] if tops else None).append_to(req, 0)
@@ -285,7 +299,7 @@ class DecodeSide(Mode):
             out.finished += self.core.finish(req, FinishReason(FinishKind.ABORT, message=req.grammar.error))
             return
         self.core.settle(Gain(req, self.core.stop_reason(req), joining=True), out)
-        if req.finish is None:
+        if req.finish is None and req.draft_len != req.kv_len:  # (not started from prefill's draft state)
             req.draft_len = 0
             self.core.decoding.prefilled([req])  # the draft state, from the transferred features
             if self.core.spec is not None:

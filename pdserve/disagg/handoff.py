@@ -20,6 +20,7 @@ tokens) and each is sent to its own room (FORKED until decode has said where).
 
 from __future__ import annotations
 
+import base64
 import enum
 import logging
 from dataclasses import dataclass
@@ -27,11 +28,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from pdserve.disagg import protocol as P
 from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, HeadRange, KVLayout, kv_head_range
 from pdserve.disagg.staging import HostStaging, choose_staging
 from pdserve.disagg.transfer import TransferEngine
 from pdserve.model.parallel import TPGroup
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
+from pdserve.speculative.eagle_worker import CarriedState
 
 if TYPE_CHECKING:
     from pdserve.scheduler.scheduler import Scheduler
@@ -70,6 +73,7 @@ class Handoff:
     sent: int = 0                         # prefill: prompt positions queued for transfer
     bootstrapped: bool = False            # prefill: every rank agreed decode said where the KV goes
     first_position: int = 0               # decode: prompt positions served from its own prefix cache
+    draft_state: bool = False             # decode: starts from prefill's draft state (no draft prefill here)
     held_pages: torch.Tensor | None = None  # decode, quarantined: pages kept out of use
     release_at: float = 0.0               # decode, quarantined: freed then at the latest
 
@@ -164,7 +168,23 @@ def compat_record(sched: "Scheduler") -> CompatRecord:
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, kv_dtype=str(runner.kv_dtype).replace("torch.", ""),
         page_size=sched.page_size, vocab_size=cfg.vocab_size, kv_scales=runner.kv_scales.digest(),
         speculative_algorithm=spec.algorithm if spec is not None else None,
-        feature_width=spec.config.feature_width if spec is not None else 0, tp_size=sched.tp.size)
+        feature_width=spec.config.feature_width if spec is not None else 0, tp_size=sched.tp.size,
+        draft_identity=spec.identity if spec is not None else "", eagle_topk=spec.topk if spec is not None else 0)
+
+
+def draft_state_message(state: CarriedState) -> P.DraftState:
+    """A request's carried draft state as the handoff record carries it."""
+    hidden = state.hidden.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
+    return P.DraftState(tuple(state.topk_p.tolist()), tuple(int(i) for i in state.topk_index.tolist()),
+                        base64.b64encode(hidden).decode())
+
+
+def carried_state(msg: P.DraftState) -> CarriedState:
+    """The inverse of ``draft_state_message`` (float32 on the host; the worker checks the
+    shapes against its draft and moves it to its device and dtype)."""
+    hidden = torch.frombuffer(bytearray(base64.b64decode(msg.hidden, validate=True)), dtype=torch.float32)
+    return CarriedState(torch.tensor(msg.topk_p, dtype=torch.float32), torch.tensor(msg.topk_index, dtype=torch.int64),
+                        hidden)
 
 
 def transfer_staging(sched: "Scheduler", engine: TransferEngine) -> HostStaging | None:
@@ -184,15 +204,19 @@ def buffer_spec(name: str, t: torch.Tensor, staging: HostStaging | None, heads: 
 
 
 def kv_layout(sched: "Scheduler", staging: HostStaging | None, with_features: bool) -> KVLayout:
-    """The named buffers of this rank: target KV (head-sharded) and, with a draft,
+    """The named buffers of this rank: target KV (head-sharded) and, with a draft, the
+    draft KV (``draft.L{i}.K/V``, every head: the draft is replicated on each rank) and
     the target-feature pool (one row per slot); their host twins when staged."""
     heads = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
     kv = sched.kv.kv_pool.buffers()
-    features = {"features": sched.spec.features} if with_features and sched.spec is not None else {}
+    spec = sched.spec
+    replicated = dict(spec.draft_pool.buffers()) if spec is not None else {}
+    if with_features and spec is not None:
+        replicated["features"] = spec.features
     if staging is not None:  # all twins at once: the host must hold them together
-        staging.twins({**kv, **features})
+        staging.twins({**kv, **replicated})
     specs = [buffer_spec(name, t, staging, heads) for name, t in kv.items()]
-    specs += [buffer_spec(name, t, staging) for name, t in features.items()]
+    specs += [buffer_spec(name, t, staging) for name, t in replicated.items()]
     return KVLayout(sched.page_size, tuple(specs))
 
 

@@ -22,8 +22,9 @@ from typing import Iterable, Sequence
 
 from pdserve.disagg.transfer import WriteBatch, coalesce
 
-PROTOCOL_VERSION = 4  # 2: WritesDone acknowledges a failed room's writes; 3: TransferRequest.first_position;
-#                       4: signed frames carry a MAC over their raw bytes and name their recipient
+PROTOCOL_VERSION = 5  # 2: WritesDone acknowledges a failed room's writes; 3: TransferRequest.first_position;
+#                       4: signed frames carry a MAC over their raw bytes and name their recipient;
+#                       5: the draft-state hand-off (draft KV + DraftState instead of features)
 
 
 class HandshakeError(ValueError):
@@ -98,9 +99,19 @@ class CompatRecord:
     feature_width: int = 0                    # per-position target feature a draft reads (0: none)
     tp_size: int = 1
     extra: tuple[tuple[str, str], ...] = field(default=())
+    # The draft head's fingerprint ("" without one) and top-k: two sides with the same
+    # draft and top-k hand over the draft's state (draft KV + DraftState) instead of features.
+    draft_identity: str = ""
+    eagle_topk: int = 0
     # fp8 KV: the per-layer scales' digest (KVScales.digest). The bytes sent are only
     # meaningful under the sender's scales, and two model paths may ship different ones.
     kv_scales: str = "1.0"
+
+    def shares_draft_with(self, other: "CompatRecord") -> bool:
+        """Whether a request prefilled on one side may start decoding on the other from
+        the draft state the first computed (the same head, the same top-k)."""
+        return bool(self.draft_identity) and (self.draft_identity, self.eagle_topk) == (
+            other.draft_identity, other.eagle_topk)
 
     def mismatches(self, other: "CompatRecord") -> list[str]:
         """Fields that make the pair unusable, as 'field: mine vs theirs' (empty = fine).
@@ -111,7 +122,9 @@ class CompatRecord:
                      "kv_scales", "page_size", "vocab_size"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
-                out.append(f"{name}: {a} vs {b}")
+                out.append(f"{name}: {a} vs {b}" + (" (pdserve releases with different PD protocols: run the "
+                                                     "same release on both sides)" if name == "protocol_version"
+                                                     else ""))
         if self.speculative_algorithm and other.speculative_algorithm:
             if self.speculative_algorithm != other.speculative_algorithm:
                 out.append(f"speculative_algorithm: {self.speculative_algorithm} vs {other.speculative_algorithm}")

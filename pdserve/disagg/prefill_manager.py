@@ -38,8 +38,9 @@ logger = logging.getLogger("pdserve.disagg.manager")
 @dataclass
 class _DecodePeer:
     handshake: P.Handshake
-    plan: TransferPlan
-    feature_plan: TransferPlan | None
+    plan: TransferPlan                       # the target KV heads this rank owes that decode rank
+    feature_plan: TransferPlan | None        # rank 0: per-position target features (decode drafts itself)
+    draft_plan: TransferPlan | None = None   # rank 0: the draft KV (both sides run the same draft)
 
 
 @dataclass
@@ -157,17 +158,23 @@ class PrefillTransferManager(_Side):
     def _handshake(self, hs: P.Handshake) -> None:
         try:
             check_compatible(self.compat, hs.compat)
-            wanted = [n for n in hs.wanted if n != "features"]
+            draft = [n for n in hs.wanted if n.startswith("draft.")]
+            wanted = [n for n in hs.wanted if n != "features" and n not in draft]
             plan = plan_transfer(self.layout, hs.layout, wanted, self.tp_rank, self.head_ranges)
-            feature_plan = None
-            if "features" in hs.wanted and self.tp_rank == 0:
-                # Features are the same on every rank (replicated hidden states): rank 0 sends them.
-                feature_plan = self._feature_plan(hs)
+            feature_plan = draft_plan = None
+            if self.tp_rank == 0:
+                # Features and the draft are the same on every rank (replicated hidden states,
+                # a replicated draft): rank 0 sends them. Which of the two a request gets is
+                # decode's choice per request (TransferRequest); both plans are ready for it.
+                if "features" in hs.wanted:
+                    feature_plan = self._feature_plan(hs)
+                if draft and self.compat.shares_draft_with(hs.compat):
+                    draft_plan = plan_transfer(self.layout, hs.layout, draft)
         except HandshakeError as exc:
             self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, False, str(exc)))
             return
         with self._lock:
-            self._peers[hs.decode_id] = _DecodePeer(hs, plan, feature_plan)
+            self._peers[hs.decode_id] = _DecodePeer(hs, plan, feature_plan, draft_plan)
             self._by_addr[hs.control_addr] = hs.decode_id
         self._link.watch(hs.control_addr)
         self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, True))
@@ -232,10 +239,12 @@ class PrefillTransferManager(_Side):
         r = self.rooms.get(room)
         return known and r is not None and r.state in (RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING)
 
-    def send(self, room: int, src_slots: Sequence[int], first_position: int, ready: Any = None) -> None:
+    def send(self, room: int, src_slots: Sequence[int], first_position: int, ready: Any = None,
+             draft: bool = False) -> None:
         """Queue the write of prompt positions [first_position, +len(src_slots)) of ``room``;
         ``ready`` (a CUDA event recorded after the forward that filled them) is waited
-        for before the write reads them."""
+        for before the write reads them. ``draft``: their draft KV, for the decode ranks
+        that asked for the draft state (the target KV otherwise)."""
         if self.rooms.get(room) is not None:  # rooms are only closed by this (the scheduler's) thread
             self.rooms.advance(room, RoomState.TRANSFERRING, only_from=RoomState.WAITING_FOR_INPUT)
         with self._lock:
@@ -243,7 +252,13 @@ class PrefillTransferManager(_Side):
             if pr is None:
                 raise RuntimeError(f"room {room}: send() before decode's transfer request")
             pr.pending += 1
-        self._work.put(("write", room, (list(src_slots), first_position, ready)))
+        self._work.put(("write", room, (list(src_slots), first_position, ready, draft)))
+
+    def wants_draft_state(self, room: int) -> bool:
+        """Decode asked for the draft state of ``room`` (its draft is this server's)."""
+        with self._lock:
+            pr = self._rooms.get(room)
+            return pr is not None and any(r.want_draft_state for r in pr.requests.values())
 
     def finish(self, room: int, record: P.HandoffRecord) -> None:
         """The last chunk is queued: send the handoff record once all writes are done."""
@@ -286,7 +301,7 @@ class PrefillTransferManager(_Side):
                     self._tell(room, P.Abort(room, f"KV transfer failed: {exc}"))
                 self._ack_if_idle(room)
 
-    def _write(self, room: int, src_slots: list[int], first: int, ready: Any = None) -> None:
+    def _write(self, room: int, src_slots: list[int], first: int, ready: Any = None, draft: bool = False) -> None:
         with self._lock:
             pr = self._rooms.get(room)
         if pr is None:
@@ -310,6 +325,14 @@ class PrefillTransferManager(_Side):
                                         f"{request.first_position} + {len(request.dst_slots)} positions decode "
                                         "holds and reserved")
                 t0 = time.perf_counter()
+                if draft:
+                    if not request.want_draft_state or peer.draft_plan is None:
+                        continue  # that decode rank drafts from features, or another rank sends
+                    batch = peer.draft_plan.writes(src, dst)
+                    self.engine.write(peer.handshake.session_id, batch)
+                    self.transfer_seconds += time.perf_counter() - t0
+                    self.bytes_by_kind["draft_kv"] += batch.nbytes
+                    continue
                 batch = peer.plan.writes(src, dst)
                 kv_bytes, feature_bytes = batch.nbytes, 0
                 if request.want_features and peer.feature_plan is not None:

@@ -23,7 +23,6 @@ what the prefix cache lacks).
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Callable
 
 import torch
@@ -31,32 +30,21 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.disagg import protocol as P
 from pdserve.disagg.bootstrap import BootstrapServer
-from pdserve.disagg.layout import BufferSpec, HandshakeError, kv_head_range
+from pdserve.disagg.layout import kv_head_range
 from pdserve.disagg.manager import LinkConfig, PrefillTransferManager
 from pdserve.disagg.rooms import RoomError, RoomState
-from pdserve.disagg.staging import StagingMemoryError
+from pdserve.disagg.prefill_features import FeatureProvider
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput
 from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
-                                    kv_layout, register_buffers, split_samples, transfer_staging)
-from pdserve.scheduler.memory_budget import MIN_HEADROOM_BYTES, device_free_bytes
+                                    draft_state_message, kv_layout, register_buffers, split_samples,
+                                    transfer_staging)
 from pdserve.scheduler.mode import Mode
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-class _FeatureRows:
-    """The target features a plain prefill server captures for a speculative decode
-    peer, moving with the KV slots (a forked sample's copy of a partial last page)."""
-
-    def __init__(self, pool: torch.Tensor) -> None:
-        self.pool = pool
-
-    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.pool[dst] = self.pool[src]
 
 
 def prefill_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
@@ -85,72 +73,11 @@ class PrefillSide(Mode):
         layout = kv_layout(core, self.staging, with_features=False)
         register_buffers(engine, layout)
         self.engine = engine
-        self._capture_lock = threading.Lock()
+        features = FeatureProvider(core, engine, self.staging)
         ranges = [kv_head_range(runner.config.num_kv_heads, r, tp.size) for r in range(tp.size)]
         self.manager = PrefillTransferManager(engine, compat_record(core), layout, tp.rank, ranges,  # type: ignore
-                                              host=host, cfg=link, provide_features=self._provide_features)
+                                              host=host, cfg=link, provide_features=features.provide)
         self.handoffs = HandoffTable(tp)
-        self._features_registered = False
-
-    def _provide_features(self, layers: tuple[int, ...], slot_bytes: int) -> BufferSpec:
-        """The feature pool a decode peer's draft reads (called at its handshake, on the
-        transfer manager's thread). A speculative prefill offers its own when the layers
-        match; a plain prefill allocates one on first demand and then captures it in
-        every forward."""
-        cfg = self.core.runner.config
-        with self._capture_lock:
-            if self.core.spec is not None:
-                mine = self.core.spec.capture_layers
-                if tuple(layers) != tuple(mine):
-                    raise HandshakeError(f"decode's draft reads target features {list(layers) or 'final'}, this "
-                                         f"prefill server's draft captures {list(mine) or 'final'}")
-                pool = self.core.spec.features
-            elif self.core.feature_sink is not None:
-                if tuple(layers) != self.core.feature_sink[0]:
-                    raise HandshakeError(f"this prefill server already captures target features "
-                                         f"{list(self.core.feature_sink[0]) or 'final'} for another decode server; "
-                                         f"{list(layers) or 'final'} asked")
-                pool = self.core.feature_sink[1]
-            else:
-                if any(not 1 <= i < cfg.num_layers for i in layers):
-                    raise HandshakeError(f"decode asks for target layers {list(layers)} of a "
-                                         f"{cfg.num_layers}-layer model")
-                width = cfg.hidden_size * max(1, len(layers))
-                pool = self._feature_pool(width)
-                self.core.feature_sink = (tuple(layers), pool)
-                self.core.kv.followers.append(_FeatureRows(pool))  # a fork's copied page keeps its features
-            if self.staging is not None:
-                try:
-                    pool = self.staging.twin("features", pool)
-                except StagingMemoryError as exc:
-                    raise HandshakeError(f"decode's draft needs target features: {exc}") from None
-            if not self._features_registered:  # Mooncake writes only from registered memory
-                self.engine.register(pool.data_ptr(), pool.numel() * pool.element_size())  # type: ignore
-                self._features_registered = True
-            row = pool[0].numel() * pool.element_size()
-            if row != slot_bytes:
-                raise HandshakeError(f"features: prefill rows are {row} bytes, decode's {slot_bytes}")
-            return BufferSpec("features", pool.data_ptr(), pool.shape[0], row)
-
-    def _feature_pool(self, width: int) -> torch.Tensor:
-        """A plain prefill server's feature pool, made at the first speculative decode's
-        handshake: outside the memory budget sized at startup, so it must fit beside it
-        (else the handshake is refused with the fix, rather than the server running out
-        of device memory mid-step)."""
-        need = self.core.kv.num_slots * width * torch.empty(0, dtype=self.core.runner.dtype).element_size()
-        free = device_free_bytes(self.core.device)
-        if free is not None and need > free - MIN_HEADROOM_BYTES:
-            raise HandshakeError(
-                f"decode's draft needs target features, {need / 2**30:.2f} GiB on this plain prefill server, "
-                f"and only {free / 2**30:.2f} GiB of device memory are free; start the prefill server with "
-                "--speculative-algorithm / --speculative-draft-model-path (its memory budget then holds the "
-                "features) or a lower --mem-fraction-static")
-        try:
-            return torch.zeros(self.core.kv.num_slots, width, dtype=self.core.runner.dtype, device=self.core.device)
-        except torch.OutOfMemoryError:
-            raise HandshakeError(f"decode's draft needs target features, {need / 2**30:.2f} GiB that this "
-                                 "prefill server's device cannot hold; start it with --speculative-algorithm / "
-                                 "--speculative-draft-model-path or a lower --mem-fraction-static") from None
 
     # ---- requests -------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -276,27 +203,37 @@ class PrefillSide(Mode):
         """Queue the write of the positions ``h``'s request computed since the last send.
         Staged: copied to the host twins first. Direct on a GPU: the write waits for an
         event recorded after the forward that filled them."""
+        if h.req.kv_len > h.sent:
+            self._send_kv(h, h.sent)
+            h.sent = h.req.kv_len
+
+    def _send_kv(self, h: Handoff, first: int, draft: bool = False) -> None:
+        """Queue the write of positions [first, kv_len) of ``h``'s request: their target KV,
+        or (``draft``) their draft KV."""
         req = h.req
-        if req.kv_len <= h.sent:
-            return
-        slots = self.core.kv.slots(req, h.sent, req.kv_len)
+        slots = self.core.kv.slots(req, first, req.kv_len)
         ready = None
         if self.staging is not None:
             self.staging.stage_out(slots)
         elif self.core.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        self.manager.send(h.room, slots, h.sent, ready)
-        h.sent = req.kv_len
+        self.manager.send(h.room, slots, first, ready, draft=draft)
 
     def _hand_off(self, req: Req) -> None:
         h = self.handoffs.get(req.bootstrap_room)
         assert h is not None
+        draft_state = None
+        if self.core.spec is not None and self.manager.wants_draft_state(h.room):
+            # Decode runs the same draft: its prompt's draft KV and the first round's input
+            # (this server drafted the prompt in the step that drew the first token).
+            self._send_kv(h, 0, draft=True)
+            draft_state = draft_state_message(self.core.spec.carried(req))
         record = P.HandoffRecord(
             h.room, "", first_token=req.output_ids[0],
             logprob=req.output_logprobs[0] if req.output_logprobs else None,
             top_logprobs=tuple(tuple(x) for x in req.output_top_logprobs[0]) if req.output_top_logprobs else (),
-            cached_tokens=req.cached_tokens)
+            cached_tokens=req.cached_tokens, draft_state=draft_state)
         self.manager.finish(h.room, record)
         h.phase = Phase.INFLIGHT
 

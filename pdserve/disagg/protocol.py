@@ -201,14 +201,20 @@ class TransferRequest:
     first_position: int
     dst_slots: tuple[int, ...]       # one per prompt position from first_position on
     want_features: bool = False      # decode drafts: send the target features of those positions too
+    # Decode runs the same draft as prefill (CompatRecord.shares_draft_with): send the
+    # draft KV of those positions and the record's DraftState instead of features.
+    want_draft_state: bool = False
 
 
 @dataclass(frozen=True)
-class SpecHandoff:
-    """What decode's draft needs to start at its first step (the draft's own width)."""
+class DraftState:
+    """What decode's draft reads in its first round, at the draft's own width: the top-k
+    candidates for the first output token (probabilities, target ids) and the draft's
+    output at the last prompt position (little-endian float32, base64: exact for the
+    16-bit dtypes; its width is the draft's hidden size, checked on arrival)."""
     topk_p: tuple[float, ...]
     topk_index: tuple[int, ...]
-    hidden: tuple[float, ...]
+    hidden: str
 
 
 # What crosses the split for a request, as counted (pdserve:kv_transfer_bytes_total{kind}):
@@ -231,7 +237,7 @@ class HandoffRecord:
     logprob: float | None = None
     top_logprobs: tuple[tuple[float, int], ...] = ()
     cached_tokens: int = 0
-    spec: SpecHandoff | None = None
+    draft_state: DraftState | None = None  # with want_draft_state
 
 
 @dataclass(frozen=True)
@@ -258,7 +264,7 @@ class Heartbeat:
 
 
 MESSAGES: dict[str, type] = {cls.__name__: cls for cls in (
-    RankInfo, Handshake, HandshakeReply, TransferRequest, SpecHandoff, HandoffRecord, Abort, WritesDone, Heartbeat,
+    RankInfo, Handshake, HandshakeReply, TransferRequest, DraftState, HandoffRecord, Abort, WritesDone, Heartbeat,
     CompatRecord, KVLayout, BufferSpec, HeadRange)}
 _TOP_LEVEL = ("RankInfo", "Handshake", "HandshakeReply", "TransferRequest", "HandoffRecord", "Abort", "WritesDone",
               "Heartbeat")
@@ -386,5 +392,5 @@ def _value(hint: Any, value: Any, where: str) -> Any:
 
 
 __all__ = ["ProtocolError", "encode", "decode", "to_body", "from_body", "RankInfo", "Handshake", "HandshakeReply", "TransferRequest",
-           "SpecHandoff", "HandoffRecord", "Abort", "WritesDone", "Heartbeat", "Authenticator", "AuthError",
+           "DraftState", "HandoffRecord", "Abort", "WritesDone", "Heartbeat", "Authenticator", "AuthError",
            "MAX_FRAME_BYTES", "SIGNED_TAG"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -51,6 +52,11 @@ class TPGroup:
             dist.broadcast(x, src=src, group=self.group_for(x))
         return x
 
+    def barrier(self) -> None:
+        """Every rank, on every node, got here (a host collective: gloo on any device)."""
+        if self.enabled:
+            self.all_reduce(torch.zeros(1))
+
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         if not self.enabled:
             return obj
@@ -90,15 +96,29 @@ def bind_device(rank: int, device: torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
-    """Join the TP group (call `bind_device` first). On CUDA the world group is NCCL and a
-    gloo group next to it carries the host-side collectives; on CPU gloo does both."""
+def init_tp_group(rank: int, size: int, init_method: str, device: torch.device,
+                  timeout_s: float = 300.0) -> TPGroup:
+    """Join the TP group (call `bind_device` first) at ``init_method`` (tcp://HOST:PORT;
+    rank 0 listens there). The rendezvous (every rank, on every node, joining) gives up
+    after ``timeout_s`` with an error naming the address; the collectives afterwards keep
+    torch's own deadline (an idle follower waits in one). On CUDA the world group is NCCL
+    and a gloo group next to it carries the host-side collectives; on CPU gloo does both."""
     if size == 1:
         return TPGroup(rank=rank, size=size)
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        # Our own store rather than init_method=: its timeout bounds the rendezvous alone
+        # (rank 0 waits for every rank to connect; the others for their peers' addresses).
+        store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size)
+    except (RuntimeError, OSError) as exc:  # torch's DistError subclasses RuntimeError
+        raise RuntimeError(f"TP rank {rank}: the TP group of {size} ranks did not meet at {init_method} "
+                           f"within {timeout_s:g} s (is every node started, with the same --dist-init-addr, "
+                           f"--nnodes and --tp-size?): {str(exc).splitlines()[0]}") from None
     if device.type == "cuda":
-        dist.init_process_group(backend="nccl", init_method=init_method, rank=rank, world_size=size)
         return TPGroup(rank=rank, size=size, host_group=dist.new_group(backend="gloo"))
-    dist.init_process_group(backend="gloo", init_method=init_method, rank=rank, world_size=size)
     return TPGroup(rank=rank, size=size)
 
 

@@ -231,8 +231,9 @@ class Scheduler:
             else:
                 out.finished += self.finish(gain.req, gain.stop or FinishReason(FinishKind.LENGTH))
         # Draft state for what a prefill added (and, after a cache hit or a retraction,
-        # for the whole prefix): the next token is known now.
-        if batch.mode == "prefill" and self.decodes:
+        # for the whole prefix): the next token is known now. A PD prefill server with a
+        # draft runs it too: a decode server with the same draft starts from that state.
+        if batch.mode == "prefill" and self.spec is not None:
             held = {id(r): r for r in batch.reqs + batch.sampling_reqs if r.row is not None}
             self.decoding.prefilled(list(held.values()))
 

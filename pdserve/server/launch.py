@@ -1,6 +1,7 @@
 """Start a server instance: detokenizer and scheduler processes, then HTTP in this process.
 
-Startup waits for every child to report ready and fails with the child's
+With --nnodes > 1 this is node 0, which starts only its own TP ranks; a node of rank
+R > 0 runs server/node.py instead (its ranks, no HTTP). Startup waits for every child to report ready and fails with the child's
 message if one dies. On shutdown (Ctrl-C, SIGTERM) every child is stopped;
 children also die with this process if it is killed outright (PDEATHSIG).
 """
@@ -22,11 +23,11 @@ import uvicorn
 
 from pdserve.chat_templates import apply_chat_template_override
 from pdserve.config import ServerArgs
-from pdserve.engine import resolve_model_dir
+from pdserve.engine import check_tp_layout, resolve_model_dir
 from pdserve.logs import quiet_uvicorn
 from pdserve.requests import RequestBuilder
 from pdserve.scheduler.grammar import GrammarLimits
-from pdserve.scheduler.worker import free_tcp_port
+from pdserve.scheduler.worker import tp_init_method
 from pdserve.server import ipc
 from pdserve.server.detokenizer import run_detokenizer_process
 from pdserve.server.drain import Drain, QueueLimit
@@ -34,6 +35,7 @@ from pdserve.server.grammar_check import GrammarChecker
 from pdserve.server.app import create_app
 from pdserve.server.http_connection import MAX_HEADER_BYTES, protocol_class
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.node import run_node, shut_down_group, startup_timeout
 from pdserve.server.scheduler_process import run_scheduler_process
 from pdserve.server.tokenizer_manager import TokenizerManager
 from pdserve.tokenizer import load_tokenizer
@@ -124,21 +126,26 @@ class _Server(uvicorn.Server):
 
 
 def launch(args: ServerArgs) -> int:
+    if args.node_rank > 0:  # multi-node TP: this node runs its ranks only (pdserve/server/node.py)
+        return run_node(args)
     model_dir = resolve_model_dir(args)
+    if args.tp_size > 1:
+        check_tp_layout(model_dir, args.tp_size)  # before any process starts (or another node waits)
     tokenizer_dir = resolve_tokenizer_dir(args, model_dir)
     tokenizer = load_tokenizer(tokenizer_dir)
     apply_chat_template_override(tokenizer, args.chat_template)  # before any process starts: fail fast
     paths = ipc.IpcPaths.create()
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
+    served = False
     try:
         pending = []
         r, w = ctx.Pipe(duplex=False)
         detok = ctx.Process(target=run_detokenizer_process, args=(tokenizer_dir, paths, w),
                             name="pdserve-detokenizer", daemon=True)
         pending.append((detok, r))
-        init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
-        for rank in range(args.tp_size):
+        init_method = tp_init_method(args)
+        for rank in args.node_tp_ranks():  # all of them, unless the group spans --nnodes
             r, w = ctx.Pipe(duplex=False)
             sched = ctx.Process(target=run_scheduler_process,
                                 args=(args, model_dir, tokenizer_dir, rank, init_method, paths, w),
@@ -147,7 +154,10 @@ def launch(args: ServerArgs) -> int:
         for proc, _ in pending:
             proc.start()
             procs.append(proc)
-        infos = _wait_ready(pending)
+        if args.nnodes > 1:
+            print(f"pdserve node 0 of {args.nnodes}: TP ranks 0-{len(args.node_tp_ranks()) - 1} of "
+                  f"{args.tp_size} here; waiting for the other nodes at {args.dist_init_addr}", flush=True)
+        infos = _wait_ready(pending, startup_timeout(args))
         rank0 = infos[1]
         builder = RequestBuilder(tokenizer, rank0["context_len"], rank0["vocab_size"], args.max_n,
                                  args.random_seed)
@@ -182,12 +192,15 @@ def launch(args: ServerArgs) -> int:
         quiet_uvicorn(args.log_level)  # after Config, which sets uvicorn's loggers up
         server = _Server(config, drain)
         logging.getLogger("uvicorn.access").addFilter(_quiet_probes)
+        served = True
         server.run()
         return 0
     except StartupError as exc:
         print(f"pdserve: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if served and args.nnodes > 1:  # the other nodes' ranks leave with the shutdown command
+            shut_down_group(paths, procs[1:])
         stop_children(procs)
         paths.cleanup()
 

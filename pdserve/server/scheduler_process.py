@@ -14,7 +14,7 @@ from pdserve.config import ServerArgs
 from pdserve.scheduler.messages import Command
 from pdserve.scheduler.req import Req
 from pdserve.scheduler.scheduler import StepOutput
-from pdserve.scheduler.worker import run_rank
+from pdserve.scheduler.worker import IDLE_WAKEUP_S, run_rank
 from pdserve.server import ipc
 from pdserve.server.messages import Reply, TokenBatch, TokenUpdate
 
@@ -31,8 +31,8 @@ class ZmqIO:
 
     def receive(self, block: bool) -> list[Command]:
         cmds = []
-        if block:
-            cmds.append(ipc.loads(self.commands.recv()))
+        if block:  # at most IDLE_WAKEUP_S (the followers wait in a collective meanwhile)
+            self.commands.poll(int(IDLE_WAKEUP_S * 1000))
         while True:
             try:
                 cmds.append(ipc.loads(self.commands.recv(zmq.NOBLOCK)))
@@ -94,11 +94,11 @@ def make_zmq_io(paths: ipc.IpcPaths) -> ZmqIO:
 
 
 def run_scheduler_process(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, rank: int,
-                          init_method: str, paths: ipc.IpcPaths, ready: Connection) -> None:
+                          init_method: str, paths: ipc.IpcPaths | None, ready: Connection) -> None:
     die_with_parent()
     import functools
 
-    make_io = functools.partial(make_zmq_io, paths) if rank == 0 else None
+    make_io = functools.partial(make_zmq_io, paths) if rank == 0 and paths is not None else None
     try:
         run_rank(args, model_dir, tokenizer_dir, rank, init_method, make_io, ready)
     except KeyboardInterrupt:

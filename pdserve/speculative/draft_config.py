@@ -37,6 +37,7 @@ Without either the capture set is the residual stream entering layers
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,3 +276,26 @@ def _tensor_names(model_dir: Path) -> set[str]:
                 names.update(handle.keys())
         return names
     return {name for name, _ in iter_checkpoint(model_dir)}
+
+
+# Bytes read from each end of each weight file for the fingerprint: enough to tell two
+# trained heads apart without reading gigabytes at startup.
+_FINGERPRINT_BYTES = 1 << 16
+
+
+def draft_identity(draft_dir: str | Path, algorithm: str) -> str:
+    """A fingerprint of a draft checkpoint (algorithm, config, each weight file's name,
+    size and first and last bytes). Prefill and decode compare theirs: equal, decode may
+    start from the draft state prefill computed. A collision would cost acceptance only,
+    never output: every drafted token is verified by the target."""
+    h = hashlib.sha256(algorithm.encode())
+    draft_dir = Path(draft_dir)
+    h.update((draft_dir / "config.json").read_bytes())
+    for path in sorted(checkpoint_files(draft_dir)):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(_FINGERPRINT_BYTES))
+            f.seek(max(0, size - _FINGERPRINT_BYTES))
+            h.update(f.read(_FINGERPRINT_BYTES))
+    return h.hexdigest()[:32]

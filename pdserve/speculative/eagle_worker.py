@@ -48,6 +48,7 @@ from pdserve.model.model_config import ModelConfig
 from pdserve.model.runner import ForwardInput, ModelRunner
 from pdserve.scheduler.memory import TokenToKVPool
 from pdserve.scheduler.req import Req
+from pdserve.speculative.draft_config import draft_identity
 from pdserve.speculative.draft_model import DraftConfig, EagleDraftModel
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class EagleWorker:
                         self.num_draft_tokens)
         draft_dir = Path(args.speculative_draft_model_path)
         self.config = DraftConfig.from_dir(draft_dir, self.algorithm, runner.config)
+        self.identity = draft_identity(draft_dir, self.algorithm)  # compared across a PD pair
         target = runner.model
         self.draft = EagleDraftModel.load(draft_dir, self.config, target.model.embed_tokens, target.lm_head,
                                           self.device, runner.dtype)
@@ -144,6 +146,20 @@ class EagleWorker:
         assert req.row is not None and req.draft_len == req.kv_len, "catch_up() first"
         return CarriedState(self.carried_p[req.row].clone(), self.carried_index[req.row].clone(),
                             self.carried_hidden[req.row].clone())
+
+    def restore(self, req: Req, state: CarriedState) -> None:
+        """Start ``req`` from a draft state computed elsewhere (a PD prefill server running
+        the same draft): its draft KV for [0, kv_len) is in the draft pool already, and
+        ``state`` is what its first round reads."""
+        assert req.row is not None
+        if state.topk_p.shape != (self.topk,) or state.hidden.shape != (self.config.hidden_size,):
+            raise ValueError(f"draft state of shape top-k {tuple(state.topk_p.shape)}, hidden "
+                             f"{tuple(state.hidden.shape)}; this draft reads top-{self.topk} and hidden "
+                             f"{self.config.hidden_size}")
+        self.carried_p[req.row] = state.topk_p.to(self.device)
+        self.carried_index[req.row] = state.topk_index.to(self.device)
+        self.carried_hidden[req.row] = state.hidden.to(self.device, self.carried_hidden.dtype)
+        req.draft_len = req.kv_len
 
     @property
     def avg_accept_length(self) -> float:

@@ -55,14 +55,15 @@ def test_second_turn_hits_decode_cache_and_equals_colocated(make_engine, dirs, p
     try:
         assert run_pair(p, d, turn1) == answers
         bytes1, sent1 = d.mode.payload_bytes, P.payload_bytes(p.mode.manager.bytes_by_kind)
-        assert bytes1 == sum(len(t) for t in turn1) * d.mode.bytes_per_position and d.mode.prefix_hit_tokens == 0
+        per_position = d.mode.bytes_per_position(p_algo is not None and p_algo == d_algo)  # draft KV or features
+        assert bytes1 == sum(len(t) for t in turn1) * per_position and d.mode.prefix_hit_tokens == 0
         # What decode holds of each turn-2 prompt: turn 1's prompt and answer (page aligned).
         ps = d.page_size
         expect = [cached_len(d, t) for t in turn2]
         assert all(e >= (len(a) + len(b) - 1) // ps * ps for e, a, b in zip(expect, turn1, answers))
         assert run_pair(p, d, turn2) == ref
         assert d.mode.prefix_hit_tokens == sum(expect)
-        assert d.mode.payload_bytes - bytes1 == sum(len(t) - e for t, e in zip(turn2, expect)) * d.mode.bytes_per_position
+        assert d.mode.payload_bytes - bytes1 == sum(len(t) - e for t, e in zip(turn2, expect)) * per_position
         # Prefill wrote only what decode lacked: fewer bytes than turn 2's whole prompts.
         sent2 = P.payload_bytes(p.mode.manager.bytes_by_kind) - sent1
         assert 0 < sent2 < sent1 * sum(map(len, turn2)) / sum(map(len, turn1))
@@ -88,7 +89,7 @@ def test_reuse_off_and_evicted_prefix_send_everything(make_engine, dirs):
             before = d.mode.payload_bytes
             assert run_pair(p, d, turn2) == ref
             assert d.mode.prefix_hit_tokens == 0
-            assert d.mode.payload_bytes - before == sum(map(len, turn2)) * d.mode.bytes_per_position
+            assert d.mode.payload_bytes - before == sum(map(len, turn2)) * d.mode.bytes_per_position()
             pools_full(p)
             pools_full(d)
         finally:
@@ -115,7 +116,7 @@ def test_partly_evicted_prefix_sends_the_rest(make_engine, dirs, page_size):
         assert sum(left) < sum(full)
         before = d.mode.payload_bytes
         assert run_pair(p, d, turn2) == ref
-        assert d.mode.payload_bytes - before == sum(len(t) - h for t, h in zip(turn2, left)) * d.mode.bytes_per_position
+        assert d.mode.payload_bytes - before == sum(len(t) - h for t, h in zip(turn2, left)) * d.mode.bytes_per_position()
         pools_full(p)
         pools_full(d)
     finally:

@@ -63,11 +63,11 @@ def test_samples_equal_colocated_and_prompt_is_computed_once(make_engine, dirs, 
     sent: dict[int, dict[int, torch.Tensor]] = {}  # room -> position -> the feature row sent
     real_send = p.mode.manager.send
 
-    def send(room: int, slots, first: int, ready=None) -> None:
-        assert p.feature_sink is not None
+    def send(room: int, slots, first: int, ready=None, draft: bool = False) -> None:
+        assert p.feature_sink is not None and not draft  # (a plain prefill has no draft)
         for i, row in enumerate(p.feature_sink[1][torch.tensor(slots)]):
             sent.setdefault(room, {})[first + i] = row.clone()
-        real_send(room, slots, first, ready)
+        real_send(room, slots, first, ready, draft)
     if d_algo:
         p.mode.manager.send = send  # type: ignore[method-assign]
     try:

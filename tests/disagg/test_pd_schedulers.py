@@ -98,26 +98,91 @@ def test_pd_pair_equals_colocated(make_engine, dirs, p_algo, d_algo, extra):
     ps = prompts(6)
     ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
     fetch: dict[str, Any] = {}
-    p = sched(prefill_scheduler, dirs, p_algo, {**extra, "chunked_prefill_size": 16})
+    # When both sides run the draft, prefill drafts each prompt chunk by chunk, in batches
+    # that depend on when rooms bootstrap: unchunked here, so that its draft state is the
+    # colocated one bit for bit (chunked: tests/disagg/test_pd_tp_speculative.py).
+    shares = d_algo is not None and p_algo == d_algo
+    p = sched(prefill_scheduler, dirs, p_algo, {**extra, "chunked_prefill_size": -1 if shares else 16})
     d = sched(decode_scheduler, dirs, d_algo, extra, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         assert run_pair(p, d, ps) == ref
+        rounds = (d.spec.num_verify_rounds, d.spec.num_emitted_tokens) if d_algo else None
         # Again: prefill now serves every prompt from its radix cache and still sends all of it.
         assert run_pair(p, d, ps) == ref
         pools_full(p)
         pools_full(d)
         if d_algo:
-            # The draft state decode rebuilds from transferred features is the colocated
-            # one: the same rounds, the same acceptance (the first seed's regression).
+            # The draft state decode starts from is the colocated one: the same rounds, the
+            # same acceptance (the first seed's regression): rebuilt here from transferred
+            # features, or drafted on prefill and handed over (its draft KV and state).
             colo = make_engine(dirs["target"], **SPEC[d_algo])
             colo.generate(input_ids=ps, sampling_params=GREEDY)
-            colo.generate(input_ids=ps, sampling_params=GREEDY)
-            cs, ds = colo._scheduler.spec, d.spec
-            assert (ds.num_verify_rounds, ds.num_emitted_tokens) == (cs.num_verify_rounds, cs.num_emitted_tokens)
+            cs = colo._scheduler.spec
+            # (The first run: in the second, decode reuses its cached prefixes' draft KV where
+            # colocated recomputes it over a cache hit.)
+            assert rounds == (cs.num_verify_rounds, cs.num_emitted_tokens)
+            # What crossed: the draft KV and state when both sides run the draft, else the
+            # target features, and then decode ran its draft over every prompt itself.
+            sent, received = p.mode.manager.bytes_by_kind, d.mode.bytes_by_kind
+            assert sent == received and sent["target_kv"] > 0 and sent["metadata"] > 0, (sent, received)
+            assert (sent["draft_kv"] > 0, sent["features"] > 0) == (shares, not shares), sent
+            assert (d.mode.draft_prefill_tokens == 0) == shares, d.mode.draft_prefill_tokens
     finally:
         p.close()
         d.close()
         del fetch
+
+
+@pytest.mark.parametrize("change", ["head", "topk"])
+def test_a_different_draft_falls_back_to_features(make_engine, dirs, tmp_path, change):
+    """Prefill and decode both run EAGLE, but not the same head (another checkpoint) or not
+    the same top-k: the handshake tells them apart and decode drafts from features, as
+    from a plain prefill; outputs equal colocated."""
+    ps = prompts(4, seed=7)
+    ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
+    other = {"head": {"EAGLE": build_random_draft(dirs["target"], tmp_path / "e2", "EAGLE", seed=9)}, "topk": {}}
+    p = sched(prefill_scheduler, {**dirs, **other[change]}, "EAGLE", {"chunked_prefill_size": 16})
+    d = sched(decode_scheduler, dirs, "EAGLE", {"speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+              if change == "topk" else {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
+    try:
+        assert (p.spec.identity == d.spec.identity) == (change == "topk")
+        assert run_pair(p, d, ps) == ref
+        sent = p.mode.manager.bytes_by_kind
+        assert sent["features"] > 0 and sent["draft_kv"] == 0, sent
+        assert d.mode.draft_prefill_tokens == sum(map(len, ps))
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_draft_state_of_another_shape_is_refused(dirs):
+    """The draft state decode starts from must be its draft's: top-k and hidden width are
+    checked on arrival (the second seed's width bug cannot pass silently)."""
+    import torch
+
+    from pdserve.disagg.handoff import carried_state, draft_state_message
+    from pdserve.speculative.eagle_worker import CarriedState
+
+    d = sched(decode_scheduler, dirs, "EAGLE3", {}, fetch_ranks=lambda url: [])
+    try:
+        req = samples_from_message(RequestBuilder(None, 4096, 10**6, 4, 0).group(
+            [5, 6, 7], SamplingParams.from_dict(GREEDY), False, 0))[0]
+        d.kv.reserve(req, 3, None)
+        width = d.spec.config.hidden_size
+        good = CarriedState(torch.tensor([0.5, 0.25]), torch.tensor([7, 9]), torch.arange(width, dtype=torch.float32))
+        state = carried_state(draft_state_message(good))
+        assert torch.equal(state.hidden, good.hidden) and state.topk_index.tolist() == [7, 9]
+        d.spec.restore(req, state)
+        assert req.draft_len == req.kv_len == 3 and torch.equal(d.spec.carried(req).hidden, good.hidden)
+        for bad in (CarriedState(good.topk_p, good.topk_index, torch.zeros(3 * width)),
+                    CarriedState(torch.tensor([1.0]), torch.tensor([7]), good.hidden)):
+            with pytest.raises(ValueError, match=f"this draft reads top-2 and hidden {width}"):
+                d.spec.restore(req, carried_state(draft_state_message(bad)))
+        d.kv.release(req, cache_kv=False)
+    finally:
+        d.close()
 
 
 @pytest.mark.parametrize("d_algo", [None, "EAGLE"])
@@ -182,7 +247,7 @@ def test_a_feature_pool_that_does_not_fit_is_refused_at_the_handshake(dirs, monk
     """A plain prefill server makes its feature pool when the first speculative decode
     server connects, outside its startup budget: on a device without room for it the
     handshake is refused naming the fix, and the pool is not made."""
-    from pdserve.disagg import prefill_side as prefill_module
+    from pdserve.disagg import prefill_features as prefill_module
 
     monkeypatch.setattr(prefill_module, "device_free_bytes", lambda device: 2 << 30)  # 2 GiB "free"
     p = sched(prefill_scheduler, dirs, None, {})

@@ -13,7 +13,7 @@ from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, He
 pytestmark = pytest.mark.fast
 
 COMPAT = CompatRecord(PROTOCOL_VERSION, "LlamaForCausalLM", 4, 4, 32, "float32", 16, 104, "EAGLE3", 768, 2,
-                      (("note", "x"),))
+                      (("note", "x"),), draft_identity="0123abcd", eagle_topk=4)
 LAYOUT = KVLayout(16, (BufferSpec("target.L0.K", 1 << 40, 4096, 256, HeadRange(2, 2, 4)),
                        BufferSpec("features", 12345, 4096, 3072)))
 
@@ -23,8 +23,9 @@ MESSAGES = [
                 ("target.L0.K", "target.L0.V")),
     P.HandshakeReply("tcp://127.0.0.1:5555", False, "page_size: 16 vs 1"),
     P.TransferRequest(2**63 - 1, "dec-1", 16, (5, 6, 7, 100), want_features=True),
+    P.TransferRequest(3, "dec-1", 0, (5, 6), want_draft_state=True),
     P.HandoffRecord(7, "tcp://127.0.0.1:5555", 42, -0.25, ((-0.25, 42), (-1.5, 3)), 16,
-                    P.SpecHandoff((0.9, 0.1), (42, 7), (0.5, -0.5, 1.0))),
+                    P.DraftState((0.9, 0.1), (42, 7), "AAAAPwAAAL8AAIA/")),
     P.HandoffRecord(8, "tcp://127.0.0.1:5555", 1),
     P.Abort(7, "decode server is shutting down"),
     P.Heartbeat("prefill-0", 3),
@@ -53,8 +54,8 @@ def _raw(type_name: str, body: dict, v: int = PROTOCOL_VERSION) -> bytes:
     (_raw("TransferRequest", {"room": 1, "decode_id": "d", "first_position": 0, "dst_slots": [1, "2"]}),
      "dst_slots"),
     (_raw("TransferRequest", {"room": 1, "decode_id": "d", "dst_slots": [1]}), "missing field first_position"),
-    (_raw("HandoffRecord", {"room": 1, "sender": "s", "first_token": 2, "spec": {"topk_p": [1.0]}}),
-     "spec: missing field"),
+    (_raw("HandoffRecord", {"room": 1, "sender": "s", "first_token": 2, "draft_state": {"topk_p": [1.0]}}),
+     "draft_state: missing field"),
 ])
 def test_bad_messages_are_refused(data, match):
     with pytest.raises(P.ProtocolError, match=match):

@@ -61,7 +61,9 @@ def test_seed1_plain_prefill_eagle_decode_keeps_outputs_and_accuracy(make_engine
 def test_seed2_eagle3_across_the_split_first_round_acceptance(make_engine, dirs, questions):
     """The draft state decode starts from (top-k ids and probabilities, draft hidden) equals
     the colocated server's after its prefill, so the first round drafts the same tokens;
-    overall acceptance matches within float noise (batching differs between the setups)."""
+    overall acceptance matches within float noise (batching differs between the setups).
+    Both sides run the same head: prefill drafts the prompt and hands the state over (the
+    card's hand-off), and decode runs no draft over the prompt."""
     import torch
 
     tok, convs, ids = questions
@@ -83,10 +85,16 @@ def test_seed2_eagle3_across_the_split_first_round_acceptance(make_engine, dirs,
     colocated = colo.generate(input_ids=ids, sampling_params=PARAMS)
     p = sched(prefill_scheduler, dirs, "EAGLE3", {})
     d = sched(decode_scheduler, dirs, "EAGLE3", {}, fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
-    recording(d.spec)
+    restore = d.spec.restore
+
+    def restoring(req, state):  # what decode starts each request from
+        restore(req, state)
+        first.setdefault((id(d.spec), tuple(req.prompt_ids)), d.spec.carried(req))
+    d.spec.restore = restoring
     try:
         got = run_pair(p, d, ids, PARAMS)
         assert got == [r["output_ids"] for r in colocated]
+        assert d.mode.draft_prefill_tokens == 0 and p.mode.manager.bytes_by_kind["features"] == 0
         for prompt in ids:
             a = first[(id(colo._scheduler.spec), tuple(prompt))]
             b = first[(id(d.spec), tuple(prompt))]

@@ -403,7 +403,7 @@ def test_each_rank_sets_its_cuda_device_before_building(monkeypatch):
     class Stop(Exception):
         pass
 
-    def fake_init(rank: int, size: int, init: str, device: torch.device) -> TPGroup:
+    def fake_init(rank: int, size: int, init: str, device: torch.device, timeout_s: float = 300.0) -> TPGroup:
         order.append(f"init {device}")
         return TPGroup()
 
@@ -418,3 +418,11 @@ def test_each_rank_sets_its_cuda_device_before_building(monkeypatch):
     with pytest.raises(Stop):
         worker.run_rank(ServerArgs(device="cpu"), Path("x"), Path("x"), 0, "tcp://x", None)
     assert order == ["bind 0", "init cuda:0", "build"]
+    # Across nodes (--nnodes 2, TP 4) a rank binds its index on its own node: rank 3 -> GPU 1.
+    order.clear()
+    node1 = ServerArgs(device="cpu", tp_size=4, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:29500")
+    monkeypatch.setattr(worker, "check_same_command", lambda args, tp: None)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # keep this process's threads
+    with pytest.raises(Stop):
+        worker.run_rank(node1, Path("x"), Path("x"), 3, "tcp://x", None)
+    assert order == ["bind 1", "init cuda:1", "build"]
