@@ -29,8 +29,8 @@ def demo() -> dict[str, Any]:
     return {"target": assets.path("demo"), "EAGLE": assets.path("demo-eagle")}
 
 
-def pair(demo, d_algo: str | None, kv: str, extra: dict[str, Any] | None = None):
-    p = sched(prefill_scheduler, demo, None, {"kv_cache_dtype": kv, "chunked_prefill_size": 64, **(extra or {})})
+def pair(demo, d_algo: str | None, kv: str, extra: dict[str, Any] | None = None, p_algo: str | None = None):
+    p = sched(prefill_scheduler, demo, p_algo, {"kv_cache_dtype": kv, "chunked_prefill_size": 64, **(extra or {})})
     d = sched(decode_scheduler, demo, d_algo, {"kv_cache_dtype": kv, **(extra or {})},
               fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     return p, d
@@ -50,6 +50,27 @@ def test_seed_cell_plain_prefill_eagle_decode_with_fp8_kv(make_engine, demo, que
         assert d.spec.draft_pool.k[0].element_size() == 1  # the draft's KV is fp8 too
         got = run_pair(p, d, ids, PARAMS)
         assert got == ref
+        pools_full(p)
+        pools_full(d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_eagle_pair_hands_over_fp8_draft_kv(make_engine, demo, questions):  # noqa: F811
+    """Prefill running decode's draft sends the draft KV (fp8 too, one byte an element)
+    with the target KV; decode starts from that draft state: colocated fp8 tokens."""
+    _, _, ids = questions
+    ids = ids[::2]
+    ref = [r["output_ids"] for r in make_engine(demo["target"], kv_cache_dtype="fp8_e4m3").generate(
+        input_ids=ids, sampling_params=PARAMS)]
+    p, d = pair(demo, "EAGLE", "fp8_e4m3", {"page_size": 16}, p_algo="EAGLE")
+    try:
+        assert run_pair(p, d, ids, PARAMS) == ref
+        sent = p.mode.manager.bytes_by_kind
+        assert sent["draft_kv"] > 0 and sent["features"] == 0
+        # Per position: the target's KV is 4 layers, the draft's 1, both fp8 of the same width.
+        assert sent["target_kv"] == 4 * sent["draft_kv"]
         pools_full(p)
         pools_full(d)
     finally:
