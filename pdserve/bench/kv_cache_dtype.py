@@ -9,8 +9,9 @@ Llama-3.1-8B shape (32 layers, 8 KV heads of 128), computed, not run.
 
 Part 2, wire bytes: held-out demo questions through an in-process prefill/decode pair
 (``disagg.local_pair``: real control sockets, in-process copies); bytes the prefill side
-sent per request, by kind (target KV; with a speculative decode the target features,
-which stay in the model dtype; the handoff metadata), and whether the greedy outputs equal the colocated engine's with the
+sent per request, by kind (target KV; with a speculative decode behind a plain prefill the
+target features, which stay in the model dtype; behind a prefill running the same draft,
+the draft's KV, in the KV dtype; the handoff metadata), and whether the greedy outputs equal the colocated engine's with the
 same KV dtype.
 """
 
@@ -48,7 +49,8 @@ def capacity(model: Path, kv: str, dtype: str, budget_gb: float) -> dict[str, An
             "llama8b_tokens_per_gib": (1 << 30) // big}
 
 
-def wire(model: Path, kv: str, dtype: str, d_algo: str | None, questions: int) -> dict[str, Any]:
+def wire(model: Path, kv: str, dtype: str, p_algo: str | None, d_algo: str | None, questions: int
+         ) -> dict[str, Any]:
     from pdserve import Engine
     from pdserve.disagg.decode_side import decode_scheduler
     from pdserve.disagg.local_pair import build_side, run_pair
@@ -60,13 +62,14 @@ def wire(model: Path, kv: str, dtype: str, d_algo: str | None, questions: int) -
                add_special_tokens=False)["input_ids"] for c in convs]
     params = {"max_new_tokens": 40, "temperature": 0}
     base = {"dtype": dtype, "kv_cache_dtype": kv, "max_total_tokens": 65536, "page_size": 16}
-    spec = {} if d_algo is None else {
-        "speculative_algorithm": d_algo, "speculative_draft_model_path": str(assets.path("demo-eagle")),
-        "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+    def spec(algo: str | None) -> dict[str, Any]:
+        return {} if algo is None else {
+            "speculative_algorithm": algo, "speculative_draft_model_path": str(assets.path("demo-eagle")),
+            "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
     with Engine(model_path=str(model), **base) as engine:
         ref = [r["output_ids"] for r in engine.generate(input_ids=ids, sampling_params=params)]
-    p = build_side(prefill_scheduler, model, base)
-    d = build_side(decode_scheduler, model, {**base, **spec},
+    p = build_side(prefill_scheduler, model, {**base, **spec(p_algo)})
+    d = build_side(decode_scheduler, model, {**base, **spec(d_algo)},
                    fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     try:
         got = [r.output_ids for r in run_pair(p, d, ids, params, timeout=600)]
@@ -76,7 +79,7 @@ def wire(model: Path, kv: str, dtype: str, d_algo: str | None, questions: int) -
         d.close()
     prompt_tokens = sum(len(i) for i in ids)
     sent = sum(by_kind.values())
-    return {"kv": kv, "decode": d_algo or "plain", "requests": len(ids), "prompt_tokens": prompt_tokens,
+    return {"kv": kv, "prefill": p_algo or "plain", "decode": d_algo or "plain", "requests": len(ids), "prompt_tokens": prompt_tokens,
             "bytes_by_kind": by_kind, "bytes_per_request": sent / len(ids),
             "kv_bytes_per_prompt_token": by_kind["target_kv"] / prompt_tokens, "outputs_equal_colocated": got == ref}
 
@@ -100,16 +103,18 @@ def main(argv: list[str] | None = None) -> None:
     for c in caps:
         print(f"| {c['kv']} | {c['kv_dtype']} | {c['bytes_per_token']} | {c['pool_tokens']} | "
               f"{c['pool_tokens'] / ref['pool_tokens']:.2f}x | {c['llama8b_bytes_per_token']} |")
-    wires = [wire(model, kv, a.dtype, algo, a.questions) for kv in a.kv_dtypes for algo in (None, "EAGLE")]
+    cells = ((None, None), (None, "EAGLE"), ("EAGLE", "EAGLE"))  # the last: prefill sends its draft's KV
+    wires = [wire(model, kv, a.dtype, pa, da, a.questions) for kv in a.kv_dtypes for pa, da in cells]
     print(f"\nPart 2: bytes written by prefill per request, 1P1D in one process, {wires[0]['requests']} requests "
           f"({wires[0]['prompt_tokens']} prompt tokens)")
-    print("| --kv-cache-dtype | decode | bytes/request (all) | KV | features | metadata | KV bytes/prompt token "
-          "| greedy = colocated (same KV dtype) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| --kv-cache-dtype | prefill -> decode | bytes/request (all) | target KV | draft KV | features | metadata "
+          "| target KV bytes/prompt token | greedy = colocated (same KV dtype) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for w in wires:
         n, kind = w["requests"], w["bytes_by_kind"]
-        print(f"| {w['kv']} | {w['decode']} | {w['bytes_per_request']:.0f} | {kind['target_kv'] / n:.0f} | "
-              f"{kind['features'] / n:.0f} | {kind['metadata'] / n:.0f} | {w['kv_bytes_per_prompt_token']:.1f} | "
+        print(f"| {w['kv']} | {w['prefill']} -> {w['decode']} | {w['bytes_per_request']:.0f} | "
+              f"{kind['target_kv'] / n:.0f} | {kind['draft_kv'] / n:.0f} | {kind['features'] / n:.0f} | "
+              f"{kind['metadata'] / n:.0f} | {w['kv_bytes_per_prompt_token']:.1f} | "
               f"{'yes' if w['outputs_equal_colocated'] else 'NO'} |")
     if a.output_file:
         a.output_file.write_text(json.dumps({"capacity": caps, "wire": wires}, indent=1))
