@@ -84,7 +84,7 @@ def test_unknown_cli_flag_raises(argv):
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
     (["--mem-fraction-static", "0"], "--mem-fraction-static"),
     (["--dtype", "fp8"], "--dtype"),
-    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
     (["--schedule-policy", "foo"], "--schedule-policy"),
     (["--trust-remote-code"], "--trust-remote-code"),
     (["--attention-backend", "fa9"], "--attention-backend"),

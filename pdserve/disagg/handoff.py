@@ -166,7 +166,7 @@ def compat_record(sched: "Scheduler") -> CompatRecord:
     return CompatRecord(
         protocol_version=PROTOCOL_VERSION, architecture=cfg.architecture, num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, kv_dtype=str(runner.kv_dtype).replace("torch.", ""),
-        page_size=sched.page_size, vocab_size=cfg.vocab_size,
+        page_size=sched.page_size, vocab_size=cfg.vocab_size, kv_scales=runner.kv_scales.digest(),
         speculative_algorithm=spec.algorithm if spec is not None else None,
         feature_width=spec.config.feature_width if spec is not None else 0, tp_size=sched.tp.size,
         draft_identity=spec.identity if spec is not None else "", eagle_topk=spec.topk if spec is not None else 0)

@@ -103,6 +103,9 @@ class CompatRecord:
     # draft and top-k hand over the draft's state (draft KV + DraftState) instead of features.
     draft_identity: str = ""
     eagle_topk: int = 0
+    # fp8 KV: the per-layer scales' digest (KVScales.digest). The bytes sent are only
+    # meaningful under the sender's scales, and two model paths may ship different ones.
+    kv_scales: str = "1.0"
 
     def shares_draft_with(self, other: "CompatRecord") -> bool:
         """Whether a request prefilled on one side may start decoding on the other from
@@ -116,7 +119,7 @@ class CompatRecord:
         two speculative sides must run the same algorithm and width."""
         out = []
         for name in ("protocol_version", "architecture", "num_layers", "num_kv_heads", "head_dim", "kv_dtype",
-                     "page_size", "vocab_size"):
+                     "kv_scales", "page_size", "vocab_size"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 out.append(f"{name}: {a} vs {b}" + (" (pdserve releases with different PD protocols: run the "

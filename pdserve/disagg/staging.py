@@ -196,7 +196,7 @@ class HostStaging:
         host_idx = torch.tensor(list(slots), dtype=torch.int64)
         for buffer, host in self.pairs.values():
             dev_idx = host_idx.to(buffer.device)
-            host.index_copy_(0, host_idx, buffer.index_select(0, dev_idx).to("cpu"))
+            _raw(host).index_copy_(0, host_idx, _raw(buffer.index_select(0, dev_idx).to("cpu")))
 
     def stage_in(self, slots: Sequence[int]) -> None:
         """Copy ``slots`` of every twin into its device buffer (decode, once the transfer
@@ -206,4 +206,10 @@ class HostStaging:
         host_idx = torch.tensor(list(slots), dtype=torch.int64)
         for buffer, host in self.pairs.values():
             rows = upload_tensor(host.index_select(0, host_idx), buffer.device)
-            buffer.index_copy_(0, upload(list(slots), torch.int64, buffer.device), rows)
+            _raw(buffer).index_copy_(0, upload(list(slots), torch.int64, buffer.device), _raw(rows))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 KV as its bytes: the CPU's index_copy_ has no float8 kernel; a copy moves
+    bytes either way (the same view of the same storage)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t

@@ -161,6 +161,7 @@ class DecodeKVMirror:
                scale: float) -> torch.Tensor:
         """q: [B, Hq, D], k/v: [B, Hkv, D] of this step's tokens; returns [B, Hq*D]."""
         km, vm = self.k[layer], self.v[layer]
+        k, v = self.pool.stored_values(layer, k, v)  # an fp8 pool's rounding, as a later refill would read
         km[step.mirror_rows, :, step.positions] = k.to(self.dtype)
         vm[step.mirror_rows, :, step.positions] = v.to(self.dtype)
         b, heads = q.shape[0], self.num_kv_heads

@@ -60,6 +60,10 @@ class KVStore(Protocol):
 
     def layer_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def layer_scales(self, layer: int) -> tuple[float, float]: ...
+
+    def stored_values(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 @dataclass(frozen=True)
 class RowLayout:

@@ -11,6 +11,8 @@ import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors run only under the interpreter
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# What the KV buffers may hold: those, or fp8 bytes the kernels dequantise with a scale.
+KV_BUF_DTYPES = (*KV_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)
 INT_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
 
@@ -32,8 +34,9 @@ def check_kv(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple[int, int]:
     check(k_buf.dim() == 3 and k_buf.shape == v_buf.shape,
            f"k_buf/v_buf must both be [num_slots, num_kv_heads, head_dim], got {tuple(k_buf.shape)} "
            f"and {tuple(v_buf.shape)}")
-    check(k_buf.dtype in KV_DTYPES and v_buf.dtype == k_buf.dtype,
-           f"k_buf/v_buf must share one dtype among fp32/fp16/bf16, got {k_buf.dtype} and {v_buf.dtype}")
+    check(k_buf.dtype in KV_BUF_DTYPES and v_buf.dtype == k_buf.dtype,
+           f"k_buf/v_buf must share one dtype among fp32/fp16/bf16/fp8 (e4m3fn, e5m2), got {k_buf.dtype} "
+           f"and {v_buf.dtype}")
     check(k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1, "k_buf/v_buf need a contiguous last dim")
     head_dim = k_buf.shape[2]
     check(1 <= head_dim <= MAX_HEAD_DIM, f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")

@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pdserve.model.kv_quant import is_kv_scale_name
 from pdserve.model.layers import LMHead, WeightShapeError
 
 M = TypeVar("M", bound=nn.Module)
@@ -238,6 +239,10 @@ def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str 
             for stored_name in f.keys():
                 ckpt_name = stored_name
                 if ckpt_name.endswith(model.ignored_suffixes) or (tied and ckpt_name == "lm_head.weight"):
+                    continue
+                # KV-cache scales are no weights: the runner reads them (model/kv_quant.py) when
+                # the KV pool is fp8. A model that does not say it reads them refuses them below.
+                if getattr(model, "reads_kv_scales", False) and is_kv_scale_name(ckpt_name):
                     continue
                 if rename is not None:
                     renamed = rename(ckpt_name)

@@ -16,6 +16,7 @@ from pdserve.model.cuda_graph import DecodeGraphs
 from pdserve.model.decode_mirror import DecodeKVMirror
 from pdserve.model.device_io import upload
 from pdserve.model.forward_context import ForwardContext, KVStore, RowLayout, TreeMasks
+from pdserve.model.kv_quant import FP8_DTYPES, KVScales, is_fp8, read_kv_scales
 from pdserve.model.layers import Linear, RotaryEmbedding
 from pdserve.model.loader import build_model
 from pdserve.model.model_config import ModelConfig
@@ -72,7 +73,15 @@ class ModelRunner:
             raise ConfigError(f"--context-length {args.context_length} exceeds the model's limit {limit}")
         self.context_len = args.context_length or limit
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
-        self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else _DTYPES[args.kv_cache_dtype]
+        self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else {**_DTYPES, **FP8_DTYPES}[args.kv_cache_dtype]
+        # fp8 KV: per-layer scales from the checkpoint (1.0 where it has none; dummy
+        # weights have no checkpoint). Other KV dtypes store values as they are.
+        self.kv_scales = KVScales.ones(cfg.num_layers)
+        if is_fp8(self.kv_dtype) and args.load_format != "dummy":
+            try:
+                self.kv_scales = read_kv_scales(model_dir, cfg.num_layers)
+            except ValueError as exc:
+                raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype}: {exc}") from None
         # Built on the device in its dtype, the checkpoint streamed tensor by tensor (no host copy).
         self.model = build_model(lambda: model_class(cfg)(cfg, tp), model_dir, self.device, self.dtype,
                                  random_weights=args.load_format == "dummy").eval()

@@ -124,6 +124,8 @@ class CausalLM(nn.Module):
     stacked_params = STACKED_PARAMS
     # Checkpoint tensors that carry no weights we need.
     ignored_suffixes = ("rotary_emb.inv_freq",)
+    # Per-layer fp8 KV scales (self_attn.k_scale ...) are read by model/kv_quant.py, not loaded.
+    reads_kv_scales: ClassVar[bool] = True
     # The q/k/v (and o) projections' biases follow ``attention_bias``; False: the key is ignored.
     reads_attention_bias: ClassVar[bool] = True
     # q/k/v carry biases whatever ``attention_bias`` says.

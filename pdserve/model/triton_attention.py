@@ -21,6 +21,12 @@ Extend (prefill, chunked prefill, tree verification). Grid (B, Hq, m-blocks of
 the new tokens). A program first sweeps the row's cached prefix (every key
 visible), then its new keys under the causal mask or the custom (tree) mask.
 
+FP8 KV (``--kv-cache-dtype fp8_*``). The buffers may be float8_e4m3fn / float8_e5m2:
+the kernels load the bytes and multiply by the layer's ``k_scale`` / ``v_scale``
+(1.0 otherwise). ``store_kv`` does not quantise: an fp8 pool is written through
+``TokenToKVPool.write``, the one quantiser both backends share (and the interpreter's
+fp32 -> e5m2 cast rounds wrongly, so a kernel-side cast could not be checked on CPU).
+
 Numerics. Everything is computed in fp32 (the interpreter has no bf16
 arithmetic): loads are converted to fp32, and ``tl.dot`` runs in fp32 with
 ``ieee`` precision for fp32 data, or ``tf32`` for fp16/bf16 data, which those
@@ -71,14 +77,14 @@ def _store_kv_kernel(k_buf, v_buf, loc, k, v,
 
 @triton.jit
 def _load_kv(req_to_token, k_buf, v_buf, row, pos, ok, kv_head, d, d_ok,
-             s_rr, s_rp, s_ks, s_kh, s_vs, s_vh):
-    """K and V (fp32) of positions ``pos`` of request-table ``row``, one KV head;
-    masked positions read slot 0 and load zeros."""
+             s_rr, s_rp, s_ks, s_kh, s_vs, s_vh, k_scale, v_scale):
+    """K and V (fp32, dequantised) of positions ``pos`` of request-table ``row``, one KV
+    head; masked positions read slot 0 and load zeros."""
     slot = tl.load(req_to_token + row * s_rr + pos * s_rp, mask=ok, other=0)
     kv_mask = ok[:, None] & d_ok[None, :]
     kb = tl.load(k_buf + slot[:, None] * s_ks + kv_head * s_kh + d[None, :], mask=kv_mask, other=0.0)
     vb = tl.load(v_buf + slot[:, None] * s_vs + kv_head * s_vh + d[None, :], mask=kv_mask, other=0.0)
-    return kb.to(tl.float32), vb.to(tl.float32)
+    return kb.to(tl.float32) * k_scale, vb.to(tl.float32) * v_scale
 
 
 @triton.jit
@@ -97,7 +103,7 @@ def _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_PREC: tl.conste
 
 
 @triton.jit
-def _decode_split_kernel(q, k_buf, v_buf, req_to_token, rows, seq_lens, ws_out, ws_lse, qk_scale,
+def _decode_split_kernel(q, k_buf, v_buf, req_to_token, rows, seq_lens, ws_out, ws_lse, qk_scale, k_scale, v_scale,
                          s_qb, s_qh, s_ks, s_kh, s_vs, s_vh, s_rr, s_rp,
                          s_wb, s_wh, s_ws, s_lb, s_lh,
                          GROUP, D, NUM_SPLITS,
@@ -129,7 +135,7 @@ def _decode_split_kernel(q, k_buf, v_buf, req_to_token, rows, seq_lens, ws_out, 
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < hi
         kb, vb = _load_kv(req_to_token, k_buf, v_buf, row, pos, ok, kv_head, d, d_ok,
-                          s_rr, s_rp, s_ks, s_kh, s_vs, s_vh)
+                          s_rr, s_rp, s_ks, s_kh, s_vs, s_vh, k_scale, v_scale)
         m_i, l_i, acc = _softmax_step(qv, kb, vb, ok[None, :], m_i, l_i, acc, qk_scale, DOT_PREC)
 
     has = l_i > 0.0  # false for an empty chunk: output 0 and lse -inf, a neutral partial
@@ -161,7 +167,7 @@ def _decode_merge_kernel(ws_out, ws_lse, out, s_wb, s_wh, s_ws, s_lb, s_lh, s_ob
 
 @triton.jit
 def _extend_kernel(q, k_buf, v_buf, out, req_to_token, rows, prefix_lens, extend_lens, q_starts,
-                   custom_mask, mask_starts, qk_scale,
+                   custom_mask, mask_starts, qk_scale, k_scale, v_scale,
                    s_qt, s_qh, s_ks, s_kh, s_vs, s_vh, s_ot, s_oh, s_rr, s_rp,
                    GROUP, D,
                    USE_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -192,7 +198,7 @@ def _extend_kernel(q, k_buf, v_buf, out, req_to_token, rows, prefix_lens, extend
         pos = start + tl.arange(0, BLOCK_N)
         ok = pos < pre
         kb, vb = _load_kv(req_to_token, k_buf, v_buf, row, pos, ok, kv_head, d, d_ok,
-                          s_rr, s_rp, s_ks, s_kh, s_vs, s_vh)
+                          s_rr, s_rp, s_ks, s_kh, s_vs, s_vh, k_scale, v_scale)
         m_i, l_i, acc = _softmax_step(qv, kb, vb, ok[None, :], m_i, l_i, acc, qk_scale, DOT_PREC)
 
     # Phase 2: the new keys j (stored at positions pre + j), under the causal or custom mask.
@@ -205,7 +211,7 @@ def _extend_kernel(q, k_buf, v_buf, out, req_to_token, rows, prefix_lens, extend
         j = start + tl.arange(0, BLOCK_N)
         ok = j < ext
         kb, vb = _load_kv(req_to_token, k_buf, v_buf, row, pre + j, ok, kv_head, d, d_ok,
-                          s_rr, s_rp, s_ks, s_kh, s_vs, s_vh)
+                          s_rr, s_rp, s_ks, s_kh, s_vs, s_vh, k_scale, v_scale)
         pair_ok = i_ok[:, None] & ok[None, :]
         if USE_MASK:
             visible = tl.load(custom_mask + mask_row[:, None] + j[None, :], mask=pair_ok, other=0) != 0
@@ -220,8 +226,10 @@ def _extend_kernel(q, k_buf, v_buf, out, req_to_token, rows, prefix_lens, extend
 
 # --------------------------------------------------------------------------- launchers
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp16/bf16 values convert to tf32 exactly; fp32 data keeps full precision.
+def _dot_precision(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> str:
+    # fp16/bf16 values convert to tf32 exactly; fp32 data keeps full precision. Scaled
+    # fp8 keys are arbitrary fp32 values: the query's precision decides.
+    dtype = q_dtype if kv_dtype.itemsize == 1 else kv_dtype
     return "tf32" if dtype != torch.float32 and torch.version.hip is None else "ieee"
 
 
@@ -239,6 +247,8 @@ def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: tor
     """k_buf[loc] = k and v_buf[loc] = v, cast to the buffer dtype. loc: [T] int slots,
     k/v: [T, Hkv, D] in any float dtype (a strided view is fine)."""
     num_kv_heads, head_dim = _check_kv(k_buf, v_buf)
+    _check(k_buf.dtype.itemsize > 1, f"store_kv does not quantise into a {k_buf.dtype} buffer: an fp8 pool is "
+           "written by TokenToKVPool.write (the quantiser both attention backends share)")
     _check(loc.dim() == 1 and loc.dtype in _INT_DTYPES, f"loc must be a 1-D int tensor, got {loc.dtype}")
     loc = loc.contiguous()  # the kernel reads slot t at loc + t (a column of a slot table is strided)
     shape = (loc.shape[0], num_kv_heads, head_dim)
@@ -266,13 +276,14 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_splits: int = 16,
 
 
 def decode_partials(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
-                    rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One query token per row over its first seq_lens[b] cached keys, as per-split
     partial results: outputs [B, Hq, S, D] (fp32, each normalised over its split's
     keys) and their log-sum-exp [B, Hq, S] (base 2, of the scaled scores; -inf for
     an empty split). ``merge_partials`` combines them, with partials over other keys
-    if any (a draft tree step's own ancestors)."""
+    if any (a draft tree step's own ancestors). ``k_scale``/``v_scale``: fp8 buffers'
+    dequantisation scales."""
     num_kv_heads, head_dim = _check_kv(k_buf, v_buf)
     num_heads = _check_q(q, num_kv_heads, head_dim)
     batch = q.shape[0]
@@ -288,13 +299,13 @@ def decode_partials(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, r
     group = num_heads // num_kv_heads
     block_d = _block_d(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_buf, v_buf, req_to_token, rows, seq_lens, ws_out, ws_lse, scale * LOG2E,
+        q, k_buf, v_buf, req_to_token, rows, seq_lens, ws_out, ws_lse, scale * LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         req_to_token.stride(0), req_to_token.stride(1),
         ws_out.stride(0), ws_out.stride(1), ws_out.stride(2), ws_lse.stride(0), ws_lse.stride(1),
         group, head_dim, num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64 if block_d <= 128 else 32,
-        BLOCK_D=block_d, DOT_PREC=_dot_precision(k_buf.dtype), num_warps=4, num_stages=_num_stages(block_d))
+        BLOCK_D=block_d, DOT_PREC=_dot_precision(k_buf.dtype, q.dtype), num_warps=4, num_stages=_num_stages(block_d))
     return ws_out, ws_lse
 
 
@@ -309,12 +320,13 @@ def merge_partials(ws_out: torch.Tensor, ws_lse: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      rows: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One query token per row over its first seq_lens[b] cached keys (its own
     included). q: [B, Hq, D]; rows, seq_lens: [B] int32/int64 on q's device.
     Returns [B, Hq, D] in q.dtype, or fills ``out``. Allocates an fp32 workspace
     of B * Hq * num_splits * (D + 1) floats per call."""
-    ws_out, ws_lse = decode_partials(q, k_buf, v_buf, req_to_token, rows, seq_lens, scale, num_splits)
+    ws_out, ws_lse = decode_partials(q, k_buf, v_buf, req_to_token, rows, seq_lens, scale, num_splits,
+                                     k_scale, v_scale)
     out = _check_out(out, q)
     batch, num_heads, _, head_dim = ws_out.shape
     if batch == 0:
@@ -330,7 +342,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                      q_starts: torch.Tensor, max_extend_len: int, scale: float,
                      custom_mask: torch.Tensor | None = None, mask_starts: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """New tokens of a ragged batch over their cached prefix and each other.
     q: [T, Hq, D], row b's tokens at q[q_starts[b]: q_starts[b] + extend_lens[b]],
     their K/V already stored at positions prefix_lens[b] ... of req_to_token[rows[b]].
@@ -365,10 +377,10 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     dummy = rows  # never read when USE_MASK is off
     _extend_kernel[(batch, num_heads, triton.cdiv(max_extend_len, block_m))](
         q, k_buf, v_buf, out, req_to_token, rows, prefix_lens, extend_lens, q_starts,
-        custom_mask if use_mask else dummy, mask_starts if use_mask else dummy, scale * LOG2E,
+        custom_mask if use_mask else dummy, mask_starts if use_mask else dummy, scale * LOG2E, k_scale, v_scale,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0), req_to_token.stride(1),
         num_heads // num_kv_heads, head_dim,
         USE_MASK=use_mask, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PREC=_dot_precision(k_buf.dtype), num_warps=4, num_stages=_num_stages(block_d))
+        DOT_PREC=_dot_precision(k_buf.dtype, q.dtype), num_warps=4, num_stages=_num_stages(block_d))
     return out

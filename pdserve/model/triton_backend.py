@@ -80,6 +80,12 @@ class TritonAttention(BackendInfo):
         if head_dim > MAX_HEAD_DIM:
             raise ValueError(f"--attention-backend triton supports head_dim <= {MAX_HEAD_DIM}, "
                              f"the model has {head_dim}")
+        k_buf = kv_pool.layer_buffers(0)[0]
+        if (k_buf.dtype == torch.float8_e4m3fn and k_buf.is_cuda and torch.version.hip is None
+                and torch.cuda.get_device_capability(k_buf.device) < (8, 9)):
+            # Triton converts fp8e4nv only on sm_89+ (Ada, Hopper); e5m2 converts everywhere.
+            raise ValueError("--kv-cache-dtype fp8_e4m3 with --attention-backend triton needs a GPU of compute "
+                             "capability >= 8.9; use --kv-cache-dtype fp8_e5m2 or --attention-backend torch_native")
         from pdserve.model import triton_attention  # imports triton (TRITON_INTERPRET is read then)
 
         self.kernels = triton_attention
@@ -141,17 +147,17 @@ class TritonAttention(BackendInfo):
         return ForwardContext(positions, branch_slots[:, :, -1].reshape(-1), b * k, True, plan=plan)
 
     def _tree_step(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                   plan: TreeStepPlan) -> torch.Tensor:
+                   plan: TreeStepPlan, k_scale: float, v_scale: float) -> torch.Tensor:
         """The prefix part from the paged decode kernel's per-split partials, the branch
         part (i keys per query) in torch, merged by their log-sum-exps: each branch reads
         its request's prefix where it lies, nothing is gathered or copied."""
         kn = self.kernels
         ws_out, ws_lse = kn.decode_partials(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.prefix_lens,
-                                            self.scale, plan.num_splits)
+                                            self.scale, plan.num_splits, k_scale, v_scale)
         r, i = plan.branch_slots.shape
         hkv, d = self.num_kv_heads, self.head_dim
-        keys = k_buf[plan.branch_slots].float()                              # [R, i, Hkv, D]
-        values = v_buf[plan.branch_slots].float()
+        keys = k_buf[plan.branch_slots].float() * k_scale                    # [R, i, Hkv, D]
+        values = v_buf[plan.branch_slots].float() * v_scale
         qg = q.float().view(r, hkv, self.num_heads // hkv, d)               # query head h reads KV head h // group
         scores = torch.einsum("rhgd,rihd->rhgi", qg, keys) * (self.scale * kn.LOG2E)
         top = scores.amax(dim=-1, keepdim=True)
@@ -167,16 +173,20 @@ class TritonAttention(BackendInfo):
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens; returns [T, Hq*D]."""
         kn = self.kernels
         k_buf, v_buf = self.pool.layer_buffers(layer)
-        kn.store_kv(k_buf, v_buf, ctx.out_cache_loc, k, v)
+        ks, vs = self.pool.layer_scales(layer)
+        if k_buf.dtype.itemsize == 1:  # fp8: the pool's quantiser, shared with torch_native
+            self.pool.write(layer, ctx.out_cache_loc, k, v)
+        else:
+            kn.store_kv(k_buf, v_buf, ctx.out_cache_loc, k, v)
         plan = ctx.plan
         if isinstance(plan, TreeStepPlan):
-            out = self._tree_step(q, k_buf, v_buf, plan)
+            out = self._tree_step(q, k_buf, v_buf, plan, ks, vs)
         elif isinstance(plan, DecodePlan):
             out = kn.decode_attention(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.seq_lens, self.scale,
-                                      plan.num_splits)
+                                      plan.num_splits, k_scale=ks, v_scale=vs)
         else:
             assert isinstance(plan, ExtendPlan), "context() plans every forward"
             out = kn.extend_attention(q, k_buf, v_buf, plan.req_to_token, plan.rows, plan.prefix_lens,
                                       plan.extend_lens, plan.q_starts, plan.max_extend, self.scale, plan.custom_mask,
-                                      plan.mask_starts)
+                                      plan.mask_starts, k_scale=ks, v_scale=vs)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -24,6 +24,7 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.model.attention import RowLayout
 from pdserve.model.device_io import upload
+from pdserve.model.kv_quant import KVScales
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.memory import PageAllocator, ReqToTokenPool, TokenToKVPool
 from pdserve.scheduler.radix_cache import ChunkCache, PrefixMatch, RadixCache
@@ -56,6 +57,8 @@ class PoolGeometry:
     max_running_requests: int
     max_positions: int      # the context length plus the decode strategy's lookahead
     radix_cache: bool = True
+    kv_scales: KVScales | None = None        # fp8 KV: per-layer scales (None: 1.0)
+    compute_dtype: torch.dtype | None = None  # what an fp8 pool's reads dequantise to
 
     @staticmethod
     def of(args: ServerArgs, runner: ModelRunner, num_pages: int, lookahead: int) -> "PoolGeometry":
@@ -64,7 +67,8 @@ class PoolGeometry:
         cfg = runner.config
         return PoolGeometry(num_pages, args.page_size, cfg.num_layers, runner.num_local_kv_heads, cfg.head_dim,
                             runner.kv_dtype, runner.device, args.max_running_requests,
-                            runner.context_len + lookahead, radix_cache=not args.disable_radix_cache)
+                            runner.context_len + lookahead, radix_cache=not args.disable_radix_cache,
+                            kv_scales=runner.kv_scales, compute_dtype=runner.dtype)
 
 
 class KVManager:
@@ -75,7 +79,7 @@ class KVManager:
         self.allocator = PageAllocator(g.num_pages, g.page_size)
         self.num_slots = g.num_pages * g.page_size
         self.kv_pool = TokenToKVPool("target", g.num_layers, self.num_slots, g.num_kv_heads, g.head_dim,
-                                     g.kv_dtype, g.device)
+                                     g.kv_dtype, g.device, g.kv_scales, g.compute_dtype)
         self.req_table = ReqToTokenPool(g.max_running_requests, g.max_positions, g.device)
         self.cache: RadixCache | ChunkCache = (
             RadixCache(self.allocator) if g.radix_cache else ChunkCache(self.allocator))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.model.kv_quant import KVScales, dequantize, is_fp8, quantize
+
 
 class OutOfPages(RuntimeError):
     pass
@@ -117,13 +119,29 @@ class TokenToKVPool:
 
     Contiguous per-layer buffers are what a transfer engine registers; buffers
     are named (`target.L{i}.K`) so that two sides can pair them by name.
+
+    An fp8 pool (``dtype`` float8_e4m3fn / float8_e5m2) stores one byte per element:
+    ``write`` quantises with the layer's ``scales`` and the gathers return values
+    dequantised to ``compute_dtype`` (the model's), so attention never sees fp8.
+    The buffers themselves (transfers, the Triton kernels, copy_slots) hold the fp8
+    bytes; a kernel reading them multiplies by ``layer_scales``.
     """
 
     def __init__(self, name: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, scales: KVScales | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.name = name
         self.num_slots = num_slots
         self.dtype = dtype
+        self.fp8 = is_fp8(dtype)
+        if self.fp8 and compute_dtype is None:
+            raise ValueError(f"the {name} KV pool is {dtype}: it needs the compute dtype its reads dequantise to")
+        if scales is not None and not self.fp8 and any(x != 1.0 for x in (*scales.k, *scales.v)):
+            raise ValueError(f"KV scales apply to an fp8 KV pool only; the {name} pool is {dtype}")
+        self.scales = scales or KVScales.ones(num_layers)
+        if len(self.scales.k) != num_layers:
+            raise ValueError(f"{len(self.scales.k)} KV scales for a {num_layers}-layer {name} pool")
+        self.compute_dtype = compute_dtype or dtype
         # zeros, not empty: the padding slot (and never-written slots read under
         # a mask) must be finite or masked SDPA would produce NaN.
         self.k = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -139,19 +157,41 @@ class TokenToKVPool:
         return named
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.fp8:
+            k = quantize(k, self.scales.k[layer], self.dtype)
+            v = quantize(v, self.scales.v[layer], self.dtype)
         self.k[layer][loc] = k.to(self.dtype)
         self.v[layer][loc] = v.to(self.dtype)
 
     def layer_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
 
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """What a reader of ``layer_buffers`` multiplies K and V by (1.0 unless fp8)."""
+        return self.scales.k[layer], self.scales.v[layer]
+
+    def stored_values(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a gather would return for ``k``/``v`` once written: a copy kept outside
+        the pool (the decode mirror) must see the same rounded values the pool holds."""
+        if not self.fp8:
+            return k, v
+        sk, sv = self.layer_scales(layer)
+        return (dequantize(quantize(k, sk, self.dtype), sk, k.dtype),
+                dequantize(quantize(v, sv, self.dtype), sv, v.dtype))
+
+    def _read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.fp8:
+            return k, v
+        sk, sv = self.layer_scales(layer)
+        return dequantize(k, sk, self.compute_dtype), dequantize(v, sv, self.compute_dtype)
+
     def gather(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `indices` (any shape) as [*indices.shape, kv_heads, head_dim]."""
         flat = indices.reshape(-1)
         shape = indices.shape + self.k[layer].shape[1:]
         # index_select on dim 0 is several times faster than advanced indexing on CPU.
-        return (self.k[layer].index_select(0, flat).view(shape),
-                self.v[layer].index_select(0, flat).view(shape))
+        return self._read(layer, self.k[layer].index_select(0, flat).view(shape),
+                          self.v[layer].index_select(0, flat).view(shape))
 
     def gather_head_major(self, layer: int, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at `indices` ([B, L]) as [B, kv_heads, L, head_dim], the layout SDPA
@@ -162,8 +202,8 @@ class TokenToKVPool:
         rows = (indices.unsqueeze(1) * heads
                 + torch.arange(heads, device=indices.device).view(1, heads, 1)).reshape(-1)
         shape = (indices.shape[0], heads, indices.shape[1], dim)
-        return (k.view(-1, dim).index_select(0, rows).view(shape),
-                v.view(-1, dim).index_select(0, rows).view(shape))
+        return self._read(layer, k.view(-1, dim).index_select(0, rows).view(shape),
+                          v.view(-1, dim).index_select(0, rows).view(shape))
 
     def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         for k, v in zip(self.k, self.v):

@@ -96,10 +96,12 @@ class EagleWorker:
                     self.config.layout, self.config.num_layers, lay.hidden_size, self.config.draft_vocab_size,
                     ", own embedding" if self.config.own_embed else "",
                     "" if self.config.own_head or self.algorithm == "EAGLE" else ", the target's lm_head")
-        # One KV layer per draft layer, slot-indexed like the target pool; this rank's heads.
+        # One KV layer per draft layer, slot-indexed like the target pool, this rank's heads,
+        # in its dtype (fp8 too: draft heads ship no KV scales, so an fp8 draft pool uses
+        # 1.0, as SGLang's).
         attn = self.draft.layers[0].self_attn
         self.draft_pool = TokenToKVPool("draft", self.config.num_layers, num_slots, attn.num_kv_heads, lay.head_dim,
-                                        runner.kv_dtype, self.device)
+                                        runner.kv_dtype, self.device, compute_dtype=runner.dtype)
         # The target feature of every slot: what the draft extend reads (and what a
         # prefill server sends a speculative decode server).
         self.features = torch.zeros(num_slots, self.config.feature_width, dtype=runner.dtype, device=self.device)
