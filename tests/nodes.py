@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tests import process_logs
-from tests.server.conftest import REPO_ROOT, ServerProcess, descendants, free_port, pid_alive
+from tests.server.conftest import REPO_ROOT, ServerProcess, descendants, free_port, kill_tree, pid_alive
 from tests.waiting import wait_until
 
 READY_LINE = "ready; this node serves no HTTP"
@@ -47,15 +47,7 @@ class NodeProcess:
         return code
 
     def kill_all(self) -> None:
-        pids = set(self.known_pids)
-        if self.proc.poll() is None:
-            pids |= descendants(self.proc.pid)
-            self.proc.kill()
-            self.proc.wait(10)
-        for p in pids:
-            with contextlib.suppress(ProcessLookupError):
-                if pid_alive(p):
-                    os.kill(p, 9)
+        kill_tree(self.proc, self.known_pids)
         self.log.close()
         process_logs.unregister(self.log.name)
         with contextlib.suppress(OSError):

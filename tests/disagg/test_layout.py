@@ -118,3 +118,19 @@ def test_compat_record_names_the_mismatch():
     check_compatible(eagle, base)   # and the reverse
     with pytest.raises(HandshakeError, match="speculative_algorithm: EAGLE vs EAGLE3"):
         check_compatible(eagle, eagle3)
+    # A peer of the previous protocol (before the draft-state hand-off) is refused by name.
+    old = CompatRecord(**{**base.__dict__, "protocol_version": 4})
+    with pytest.raises(HandshakeError, match=f"protocol_version: 4 vs {PROTOCOL_VERSION} \\(pdserve releases with "
+                                             "different PD protocols: run the same release on both sides\\)"):
+        check_compatible(old, base)
+    assert PROTOCOL_VERSION == 5
+
+
+def test_only_the_same_draft_and_top_k_share_the_draft_state():
+    base = CompatRecord(PROTOCOL_VERSION, "LlamaForCausalLM", 4, 4, 64, "float32", 1, 104, "EAGLE", 256)
+    mine = CompatRecord(**{**base.__dict__, "draft_identity": "abc", "eagle_topk": 4})
+    assert mine.shares_draft_with(mine)
+    assert not mine.shares_draft_with(CompatRecord(**{**mine.__dict__, "draft_identity": "abd"}))
+    assert not mine.shares_draft_with(CompatRecord(**{**mine.__dict__, "eagle_topk": 1}))
+    assert not base.shares_draft_with(base)  # no draft: nothing to share
+    check_compatible(mine, CompatRecord(**{**mine.__dict__, "draft_identity": "abd"}))  # (the feature path)

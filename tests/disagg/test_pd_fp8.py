@@ -5,8 +5,6 @@ dtype (or KV scales) mismatch by name."""
 
 from __future__ import annotations
 
-import random
-import time
 from typing import Any
 
 import pytest
@@ -17,10 +15,7 @@ from pdserve.disagg.decode_side import decode_scheduler
 from pdserve.disagg.layout import CompatRecord, HandshakeError, check_compatible
 from pdserve.disagg.prefill_side import prefill_scheduler
 from pdserve.disagg.staging import HostStaging
-from pdserve.requests import RequestBuilder
-from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.req import samples_from_message
-from tests.disagg.test_pd_schedulers import GREEDY, dirs, pools_full, run_pair, sched  # noqa: F401
+from tests.disagg.test_pd_schedulers import dirs, handshake_outcome, pools_full, run_pair, sched  # noqa: F401
 from tests.disagg.test_seeds import PARAMS, accuracy, questions  # noqa: F401
 
 
@@ -122,25 +117,6 @@ def test_compat_record_names_kv_dtype_and_kv_scales_mismatches():
     with pytest.raises(HandshakeError, match="kv_scales: 1.0 vs crc32:0000abcd"):
         check_compatible(base, CompatRecord(**{**base.__dict__, "kv_scales": "crc32:0000abcd"}))
     check_compatible(base, CompatRecord(**base.__dict__))
-
-
-def handshake_outcome(s) -> str | None:
-    """Add a request to decode side ``s``; the handshake runs in the background and a
-    refused one fails the request with the reason (returned; None: connected)."""
-    builder = RequestBuilder(None, 4096, 10**6, 4, 0)
-    r = samples_from_message(builder.group([5, 6, 7], SamplingParams.from_dict(GREEDY), False, 0))[0]
-    r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, random.getrandbits(62)
-    s.add(r)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        finished = s.step().finished
-        if finished:
-            assert finished == [r] and r.finish.kind.value == "abort" and r.finish.server_error
-            return r.finish.message
-        if s.mode.manager.connection("http://127.0.0.1:1")[0] == "ok":
-            return None
-        time.sleep(0.01)
-    raise AssertionError("the handshake neither succeeded nor failed")
 
 
 def test_kv_dtype_mismatch_refused_at_handshake_by_name(dirs):  # noqa: F811

@@ -73,6 +73,25 @@ def step_until(s, cond, timeout: float = 30) -> None:
     wait_until(cond, timeout, step=0.005, between=s.step)
 
 
+def handshake_outcome(s) -> str | None:
+    """Add a request to decode side ``s``; the handshake runs in the background and a
+    refused one fails the request with the reason (returned; None: connected)."""
+    builder = RequestBuilder(None, 4096, 10**6, 4, 0)
+    r = samples_from_message(builder.group([5, 6, 7], SamplingParams.from_dict(GREEDY), False, 0))[0]
+    r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, random.getrandbits(62)
+    s.add(r)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        finished = s.step().finished
+        if finished:
+            assert finished == [r] and r.finish.kind.value == "abort" and r.finish.server_error
+            return r.finish.message
+        if s.mode.manager.connection("http://127.0.0.1:1")[0] == "ok":
+            return None
+        time.sleep(0.01)
+    raise AssertionError("the handshake neither succeeded nor failed")
+
+
 def pools_full(s) -> None:
     assert s.flush_cache()
     m = s.memory_state()
@@ -214,30 +233,13 @@ def test_incompatible_pairs_are_refused(dirs):
                  fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     pe = sched(prefill_scheduler, dirs, "EAGLE", {})
     de3 = sched(decode_scheduler, dirs, "EAGLE3", {}, fetch_ranks=lambda url: [pe.mode.manager.rank_info(1, "127.0.0.1")])
-    builder = RequestBuilder(None, 4096, 10**6, 4, 0)
     try:
-        def request(s) -> str | None:
-            """Add a request; the handshake runs in the background and a refused one
-            fails the request with the reason. Returns that reason (None: connected)."""
-            r = samples_from_message(builder.group([5, 6, 7], SamplingParams.from_dict(GREEDY), False, 0))[0]
-            r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, random.getrandbits(62)
-            s.add(r)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                finished = s.step().finished
-                if finished:
-                    assert finished == [r] and r.finish.kind.value == "abort" and r.finish.server_error
-                    return r.finish.message
-                if s.mode.manager.connection("http://127.0.0.1:1")[0] == "ok":
-                    return None
-                time.sleep(0.01)
-            raise AssertionError("the handshake neither succeeded nor failed")
-        assert "page_size: 16 vs 1" in request(d)
+        assert "page_size: 16 vs 1" in handshake_outcome(d)
         # A plain prefill captures features for the first speculative decode that asks;
         # a second one whose draft reads other layers is refused, naming both.
-        assert request(d3) is None
-        assert re.search(r"already captures target features \[1, 2, 3\].*final", request(de16))
-        assert "speculative_algorithm: EAGLE vs EAGLE3" in request(de3)
+        assert handshake_outcome(d3) is None
+        assert re.search(r"already captures target features \[1, 2, 3\].*final", handshake_outcome(de16))
+        assert "speculative_algorithm: EAGLE vs EAGLE3" in handshake_outcome(de3)
     finally:
         for s in (p, d, d3, de16, pe, de3):
             s.close()

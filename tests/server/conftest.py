@@ -99,6 +99,21 @@ def read_data_events(lines: Iterator[str], n: int) -> int:
 
 
 # ---- the server process ------------------------------------------------------------
+def kill_tree(proc: subprocess.Popen, known_pids: set[int]) -> None:
+    """SIGKILL ``proc``, its descendants and ``known_pids`` (children seen earlier)."""
+    pids = set(known_pids)
+    if proc.poll() is None:
+        pids |= descendants(proc.pid)
+        proc.kill()
+        proc.wait(10)
+    for p in pids:
+        if pid_alive(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 class ServerProcess:
     def __init__(self, model_dir: Path, *extra: str, api_key: str | None = None) -> None:
         self.model_dir = Path(model_dir)
@@ -206,17 +221,7 @@ class ServerProcess:
 
     def kill_all(self) -> None:
         """Last resort: SIGKILL the server and the children we saw it start."""
-        pids = set(self.known_pids)
-        if self.proc.poll() is None:
-            pids |= descendants(self.proc.pid)
-            self.proc.kill()
-            self.proc.wait(10)
-        for p in pids:
-            if pid_alive(p):
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill_tree(self.proc, self.known_pids)
 
     def close(self) -> None:
         try:

@@ -11,25 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.testing import build_random_draft, build_random_model
 from tests.conftest import random_prompts
+from tests.speculative.test_eagle_engine import drafts, target  # noqa: F401  (the module's fixtures)
 from tests.server.conftest import free_port
 
 GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
 PROMPTS = random_prompts(5, 4, 50, vocab=95, seed=41)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    return build_random_model(tmp_path_factory.mktemp("tp_spec_t"), "llama", num_layers=4, num_heads=4,
-                              num_kv_heads=2, hidden_size=64)
-
-
-@pytest.fixture(scope="module")
-def drafts(tmp_path_factory, target) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tp_drafts")
-    return {"EAGLE": build_random_draft(target, root / "e", "EAGLE", seed=1),
-            "EAGLE3": build_random_draft(target, root / "e3", "EAGLE3", draft_vocab_size=60, seed=2)}
 
 
 def spec(drafts: dict[str, Path], algo: str, shape: tuple[int, int, int]) -> dict:
