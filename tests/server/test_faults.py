@@ -141,20 +141,23 @@ def test_burst_of_concurrent_requests(server, engine, llama_dir):
 
 
 # ---- scheduler death -------------------------------------------------------------------------
-def test_scheduler_killed_gives_errors_not_hangs(start_server, llama_dir, server_flags):
-    s = start_server(llama_dir, *server_flags)
+def test_scheduler_killed_gives_errors_not_hangs(start_server, model_dirs):
+    # 7000-token requests on the 8k-context model: both are surely still running when the
+    # scheduler is killed (500 tokens on the small model could both finish first).
+    model_dir = model_dirs("llama_long_context")
+    s = start_server(model_dir, "--max-total-tokens", "16384")
     try:
         info = s.info()
         sp = scheduler_pid(info)
         assert isinstance(sp, int) and sp != s.proc.pid and pid_alive(sp), info
-        model = str(llama_dir)
+        model = str(model_dir)
         res: dict = {"stream_lines": []}
         started = threading.Event()
 
         def non_stream():
             try:
                 r = httpx.post(s.url + "/generate", headers=s.headers, timeout=30.0,
-                               json={"text": "in flight", "sampling_params": dict(GREEDY, max_new_tokens=500)})
+                               json={"text": "in flight", "sampling_params": dict(GREEDY, max_new_tokens=7000)})
                 res["plain"] = (r.status_code, r.text, time.monotonic())
             except Exception as exc:
                 res["plain_exc"] = repr(exc)
@@ -163,7 +166,7 @@ def test_scheduler_killed_gives_errors_not_hangs(start_server, llama_dir, server
             try:
                 with httpx.stream("POST", s.url + "/v1/chat/completions", headers=s.headers, timeout=30.0,
                                   json={"model": model, "messages": [{"role": "user", "content": "x"}],
-                                        "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+                                        "max_tokens": 7000, "temperature": 0, "ignore_eos": True,
                                         "stream": True}) as r:
                     res["stream_status"] = r.status_code
                     for line in r.iter_lines():
