@@ -60,12 +60,11 @@ def node_flags(tp_size: int, node_rank: int, dist_port: int, *extra: str) -> tup
 
 
 @contextlib.contextmanager
-def two_nodes(model_dir: Path, tp_size: int, *extra: str, node1_host: str = "127.0.0.1"
-              ) -> Iterator[tuple[ServerProcess, NodeProcess]]:
+def started_nodes(model_dir: Path, tp_size: int, *extra: str, node1_host: str = "127.0.0.1"
+                  ) -> Iterator[tuple[ServerProcess, NodeProcess]]:
     """A TP `tp_size` instance over two nodes (node 1 started first: it waits for node 0),
     node 1 on its own `--host` (another loopback address stands for another machine).
-    On exit node 0 is stopped (SIGTERM); node 1 must then exit 0 with its ranks, and no
-    process of either node may survive."""
+    Whatever the test did to them, both are closed on exit and nothing of theirs survives."""
     dist_port = free_port()
     node1 = NodeProcess(model_dir, *node_flags(tp_size, 1, dist_port, *extra), "--host", node1_host)
     try:
@@ -74,10 +73,21 @@ def two_nodes(model_dir: Path, tp_size: int, *extra: str, node1_host: str = "127
             node1.wait_ready()  # node 0 is healthy only once the whole group is: at once
             yield node0, node1
         finally:
-            graceful, alive = node0.terminate()
             node0.close()
+    finally:
+        node1.kill_all()
+
+
+@contextlib.contextmanager
+def two_nodes(model_dir: Path, tp_size: int, *extra: str, node1_host: str = "127.0.0.1"
+              ) -> Iterator[tuple[ServerProcess, NodeProcess]]:
+    """``started_nodes``, stopped as an operator would: node 0 (SIGTERM) first; node 1
+    must then exit 0 with its ranks, and no process of either node may survive."""
+    with started_nodes(model_dir, tp_size, *extra, node1_host=node1_host) as (node0, node1):
+        try:
+            yield node0, node1
+        finally:
+            graceful, alive = node0.terminate()
         assert graceful and not alive, (graceful, alive)
         assert node1.wait_exit() == 0, node1.output()[-3000:]
         assert "node 0 shut the TP group down" in node1.output()
-    finally:
-        node1.kill_all()

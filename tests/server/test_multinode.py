@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import GREEDY, random_prompts
-from tests.nodes import NodeProcess, node_flags, two_nodes
+from tests.nodes import NodeProcess, node_flags, started_nodes, two_nodes
 from tests.server.conftest import REPO_ROOT, free_port, pid_alive
 from tests.waiting import wait_until
 
@@ -83,44 +83,22 @@ def test_nodes_with_different_flags_both_refuse(tp4_model):
 def test_node1_stopping_ends_the_instance(tp4_model):
     """Node 1 goes away while node 0 serves: node 0's next request fails (the TP group is
     broken) and the server then reports itself unavailable, rather than hanging."""
-    dist_port = free_port()
-    node1 = NodeProcess(tp4_model, *node_flags(2, 1, dist_port, "--max-total-tokens", "1024"))
-    try:
-        from tests.server.conftest import ServerProcess
-
-        node0 = ServerProcess(tp4_model, *node_flags(2, 0, dist_port, "--max-total-tokens", "1024"))
-        try:
-            node1.wait_ready()
-            node1.proc.terminate()
-            assert node1.wait_exit() == 0
-            body = {"input_ids": PROMPTS[0], "sampling_params": dict(GREEDY, max_new_tokens=4)}
-            r = node0.client.post("/generate", json=body, timeout=60)
-            assert r.status_code == 503, r.text
-            wait_until(lambda: node0.client.get("/health", timeout=5).status_code != 200, 30, step=0.2,
-                       ignore=(httpx.HTTPError,))
-        finally:
-            node0.close()
-    finally:
-        node1.kill_all()
+    with started_nodes(tp4_model, 2, "--max-total-tokens", "1024") as (node0, node1):
+        node1.proc.terminate()
+        assert node1.wait_exit() == 0
+        body = {"input_ids": PROMPTS[0], "sampling_params": dict(GREEDY, max_new_tokens=4)}
+        r = node0.client.post("/generate", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        wait_until(lambda: node0.client.get("/health", timeout=5).status_code != 200, 30, step=0.2,
+                   ignore=(httpx.HTTPError,))
 
 
 def test_node0_killed_ends_node1(tp4_model):
     """Node 0 SIGKILLed (no shutdown command): its ranks die with it (PDEATHSIG), node 1's
     ranks find the group broken and node 1 exits non-zero, leaving nothing behind."""
-    from tests.server.conftest import ServerProcess
-
-    dist_port = free_port()
-    node1 = NodeProcess(tp4_model, *node_flags(2, 1, dist_port, "--max-total-tokens", "1024"))
-    try:
-        node0 = ServerProcess(tp4_model, *node_flags(2, 0, dist_port, "--max-total-tokens", "1024"))
-        try:
-            node1.wait_ready()
-            node0.remember_pids()
-            node0.proc.kill()
-            assert node1.wait_exit() == 1
-            assert "the TP group ended" in node1.output()
-            wait_until(lambda: not any(pid_alive(p) for p in node0.known_pids), 10, step=0.1)
-        finally:
-            node0.close()
-    finally:
-        node1.kill_all()
+    with started_nodes(tp4_model, 2, "--max-total-tokens", "1024") as (node0, node1):
+        node0.remember_pids()
+        node0.proc.kill()
+        assert node1.wait_exit() == 1
+        assert "the TP group ended" in node1.output()
+        wait_until(lambda: not any(pid_alive(p) for p in node0.known_pids), 10, step=0.1)
