@@ -18,6 +18,8 @@
 #   4  pdserve vs vLLM CPU vs Hugging Face transformers generate, same model, prompts, load
 #   5  KV transfer GB/s vs raw loopback TCP, and the TTFT split (bench.kv_transfer)
 #   6  demo accuracy through 1P1D for every P x D speculative combination (bench.accuracy)
+#   7  ITL under a mixed long-prompt load, 1P1D with EAGLE decode: prefill drafting (the
+#      draft-state hand-off) vs plain prefill (decode drafts every prompt itself)
 #
 # Options:
 #   --quick            smoke sizes (the QUICK_* overrides below)
@@ -44,6 +46,7 @@ ENV_SET=" $(compgen -e | tr '\n' ' ') "
 : "${S5_TOKENS:=4096 16384}" "${S5_SHAPES:=demo wide}" "${S5_MAX_BYTES:=6e8}" "${S5_REPEATS:=3}"
 : "${S5_TTFT_TOKENS:=512 2000}"
 : "${S6_QUESTIONS:=16}" "${S6_PARALLEL:=8}"
+: "${S7_PROMPTS:=48}" "${S7_IN:=1900}" "${S7_RATIO:=0.05}" "${S7_OUT:=128}" "${S7_RATE:=3}" "${S7_SHAPE:=3,1,4}"
 # ---- sizes: --quick ------------------------------------------------------------------------------
 QUICK_S1=(S1_PROMPTS=4 S1_IN=256 S1_OUT=32 S1_CONC=4)
 QUICK_S2=(S2_CONVS=4 "S2_CONC=4")
@@ -51,6 +54,7 @@ QUICK_S3=(S3_CONVS=4 S3_RATE=inf)
 QUICK_S4=(S4_PROMPTS=4 S4_IN=128 S4_OUT=16 S4_CONC=4)
 QUICK_S5=("S5_TOKENS=1024" "S5_SHAPES=demo" S5_REPEATS=1 "S5_TTFT_TOKENS=256")
 QUICK_S6=(S6_QUESTIONS=2 S6_PARALLEL=4)
+QUICK_S7=(S7_PROMPTS=6 S7_IN=512 S7_OUT=16 S7_RATE=inf)
 # ---- servers -------------------------------------------------------------------------------------
 : "${MAX_TOTAL_TOKENS:=65536}"       # KV pool of every pdserve server (tokens)
 : "${PAGE_SIZE:=16}"                 # pdserve servers' page size (PD transfers move page runs)
@@ -63,7 +67,7 @@ QUICK_S6=(S6_QUESTIONS=2 S6_PARALLEL=4)
 
 usage() { sed -n '2,/^$/p' "$0" | sed 's/^# \{0,1\}//'; }
 
-QUICK=0; NO_VLLM=0; SECTIONS="1,2,3,4,5,6"; OUT=""; WORK=""; KEEP=0; INSTALL_ONLY=0
+QUICK=0; NO_VLLM=0; SECTIONS="1,2,3,4,5,6,7"; OUT=""; WORK=""; KEEP=0; INSTALL_ONLY=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) QUICK=1 ;;
@@ -83,7 +87,7 @@ while [ $# -gt 0 ]; do
 done
 if [ "$QUICK" = 1 ]; then
     for kv in "${QUICK_S1[@]}" "${QUICK_S2[@]}" "${QUICK_S3[@]}" "${QUICK_S4[@]}" "${QUICK_S5[@]}" \
-              "${QUICK_S6[@]}"; do
+              "${QUICK_S6[@]}" "${QUICK_S7[@]}"; do
         case "$ENV_SET" in *" ${kv%%=*} "*) continue ;; esac  # the environment wins
         printf -v "${kv%%=*}" '%s' "${kv#*=}"
     done
@@ -363,6 +367,40 @@ section3() {
     section_end
 }
 
+# ---- section 7: ITL under long prompts, prefill drafting vs plain prefill ----------------------------------
+section7() {
+    section_begin 7 "ITL under a mixed long-prompt load: P drafting vs plain P, D with EAGLE"
+    local d="$SEC_DIR"
+    # Prompts uniform in [S7_IN * S7_RATIO, S7_IN] tokens (up to the demo's 2k context),
+    # Poisson arrivals: long prompts commit on decode while earlier requests decode.
+    local load=(--backend pdserve --dataset-name random --random-input-len "$S7_IN" --random-range-ratio "$S7_RATIO"
+                --random-output-len "$S7_OUT" --num-prompts "$S7_PROMPTS" --request-rate "$S7_RATE"
+                --warmup-requests 2)
+    local spec; spec="$(spec_flags EAGLE "$S7_SHAPE")"
+    note "$d" "OMP_NUM_THREADS=\$((\$(nproc) / 2)) python -m pdserve.launch_server --port \$D --disaggregation-mode decode --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE $(short_flags EAGLE "$S7_SHAPE")"
+    note "$d" "OMP_NUM_THREADS=\$((\$(nproc) / 2)) python -m pdserve.launch_server --port \$P --disaggregation-mode prefill --disaggregation-bootstrap-port \$BOOT --max-total-tokens $MAX_TOTAL_TOKENS --page-size $PAGE_SIZE [P drafting: the same speculative flags]"
+    note "$d" "python -m pdserve.router --pd-disaggregation --prefill http://127.0.0.1:\$P \$BOOT --decode http://127.0.0.1:\$D --port \$ROUTER"
+    note "$d" "python -m pdserve.bench.serving --base-url http://127.0.0.1:\$ROUTER ${load[*]}"
+    # One pair at a time (a fresh decode server per row: its counters and prefix cache
+    # are that row's alone), so the rows do not share the cores either.
+    local row
+    for row in spec plain; do
+        # shellcheck disable=SC2086
+        if [ "$row" = spec ]; then pdserve_server s7_p --disaggregation-mode prefill $spec
+        else pdserve_server s7_p --disaggregation-mode prefill; fi
+        # shellcheck disable=SC2086
+        pdserve_server s7_d --disaggregation-mode decode $spec
+        wait_up s7_p s7_d
+        pd_router s7_r s7_p s7_d
+        wait_up s7_r
+        serving "$d" "p_$row" "$URL_s7_r" "${load[@]}"
+        curl -sf "$URL_s7_d/metrics" | grep -E '^pdserve:(decode_draft_prefill_tokens_total|kv_transfer_bytes_total)' \
+            >"$d/p_$row.decode_metrics" || true
+        stop s7_r s7_p s7_d
+    done
+    section_end
+}
+
 # ---- section 4: pdserve vs vLLM CPU vs HF generate ---------------------------------------------------------
 section4() {
     section_begin 4 "pdserve vs vLLM CPU vs HF generate"
@@ -491,8 +529,8 @@ IFS=, read -r -a SECS <<<"$SECTIONS"
 FAILED=()
 for s in "${SECS[@]}"; do
     case "$s" in
-        1|2|3|4|5|6) ;;
-        *) echo "bench_all.sh: --sections: unknown section $s (1-6)" >&2; exit 2 ;;
+        1|2|3|4|5|6|7) ;;
+        *) echo "bench_all.sh: --sections: unknown section $s (1-7)" >&2; exit 2 ;;
     esac
 done
 # Each section runs in a subshell with errexit in force (not inside an `if`, which would

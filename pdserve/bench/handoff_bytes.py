@@ -8,8 +8,9 @@ Measured: the demo model and its trained heads through an in-process prefill/dec
 bytes per request of target KV, draft KV, features and metadata as prefill sent them,
 decode's draft prefill tokens per request, and the acceptance (tokens per verify round).
 Computed: Llama-3.1-8B + its EAGLE3 head, bf16, 2,500-token prompts, at decode TP 1 and 2
-(target and draft KV heads split over the decode ranks; features and the draft state go
-to every decode rank).
+(target and draft KV heads split over the decode ranks, features split too: each decode
+rank receives its slice of every row and the ranks all-gather the rest; the draft state
+record goes to every decode rank).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def computed(prompt_len: int = 2500) -> list[tuple[str, float, float, float, flo
     out = []
     for tp in (1, 2):
         out.append((f"draft state, decode TP{tp}", target, draft, 0, tp * state))
-        out.append((f"features,    decode TP{tp}", target, 0, tp * features, 0))
+        out.append((f"features,    decode TP{tp}", target, 0, features, 0))
     return [(name, t / 1e6, d / 1e6, f / 1e6, m / 1e6) for name, t, d, f, m in out]
 
 

@@ -1,4 +1,4 @@
-"""The six sections of the bench_all.sh report (report.py renders them in order): each
+"""The seven sections of the bench_all.sh report (report.py renders them in order): each
 reads its own subdirectory of the work directory and returns its markdown (heading,
 what was run, the table, which side is ahead).
 
@@ -369,4 +369,56 @@ def section6(sec: Path) -> str:
     return "\n".join(out)
 
 
-SECTIONS = {"1": section1, "2": section2, "3": section3, "4": section4, "5": section5, "6": section6}
+def _decode_counters(path: Path) -> dict[str, float]:
+    """The decode server's counters the section saved after its row (metric line -> value)."""
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def section7(sec: Path) -> str:
+    rows = [("P drafting (draft-state hand-off)", "p_spec"), ("plain P (decode drafts the prompt)", "p_plain")]
+    out = ["### 7. ITL under a mixed long-prompt load: prefill drafting vs plain prefill", ""]
+    got = {name: _round(_read_jsonl(sec / f"{key}.jsonl"), None) for name, key in rows}
+    anyrec = next((r for r in got.values() if r), None)
+    if anyrec:
+        a = anyrec["args"]
+        rate = a["request_rate"]
+        rate_s = "all sent at once" if str(rate) == "inf" else f"{rate} requests/s (Poisson arrivals)"
+        out += [f"1P1D behind the router, decode with EAGLE on the demo model (the same decode flags in both rows, "
+                f"a fresh pair per row). bench.serving random dataset: {a['num_prompts']} prompts of "
+                f"{int(a['random_input_len'] * a['random_range_ratio'])}-{a['random_input_len']} tokens, "
+                f"{a['random_output_len']} output tokens each, {rate_s}. Plain prefill sends target features and "
+                "the decode server runs its draft over each prompt when it commits (prefill work in the decode "
+                "loop); a drafting prefill sends the draft KV and state, and decode drafts nothing. Times in ms; "
+                "draft prefill tokens = the decode server's `pdserve:decode_draft_prefill_tokens_total` after the "
+                "row (warm-up requests included).", ""]
+    out += ["| prefill | TTFT mean | TPOT mean | ITL p50 | ITL p99 | ITL max | output tok/s | decode draft prefill "
+            "tokens |", "|---|---|---|---|---|---|---|---|"]
+    for name, key in rows:
+        r = got[name]
+        drafted = _decode_counters(sec / f"{key}.decode_metrics").get("pdserve:decode_draft_prefill_tokens_total")
+        if not r:
+            out.append(f"| {name} | not measured | | | | | | |")
+            continue
+        out.append(f"| {name} | {_f(r['mean_ttft_ms'], 1)} | {_f(r['mean_tpot_ms'], 2)} | {_f(r['median_itl_ms'], 2)} "
+                   f"| {_f(r['p99_itl_ms'], 2)} | {_f(r['max_itl_ms'], 2)} | {_f(r['output_throughput'])} "
+                   f"| {_f(drafted, 0)} |")
+    s, n = got[rows[0][0]], got[rows[1][0]]
+    if s and n:
+        parts = [ratio_sentence("ITL p99", "P drafting", s["p99_itl_ms"], "plain P", n["p99_itl_ms"], False, "ms", 2),
+                 ratio_sentence("TPOT", "P drafting", s["mean_tpot_ms"], "plain P", n["mean_tpot_ms"], False, "ms", 2),
+                 ratio_sentence("TTFT", "P drafting", s["mean_ttft_ms"], "plain P", n["mean_ttft_ms"], False, "ms")]
+        out += ["", "**Which side is ahead:** " + "; ".join(parts) + "." + _failed_requests([s, n])]
+    return "\n".join(out)
+
+
+SECTIONS = {"1": section1, "2": section2, "3": section3, "4": section4, "5": section5, "6": section6,
+            "7": section7}

@@ -28,6 +28,8 @@ import logging
 import time
 from typing import Callable
 
+import torch
+
 from pdserve.config import ServerArgs
 from pdserve.disagg import protocol as P
 from pdserve.disagg.bootstrap import bootstrap_url
@@ -37,6 +39,7 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.admission import too_big
 from pdserve.scheduler.batch import Draws, Gain, StepOutput
+from pdserve.disagg.layout import feature_slice
 from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, carried_state,
                                     compat_record, kv_layout, register_buffers, split_samples, transfer_staging)
 from pdserve.scheduler.kv_manager import pages_for
@@ -80,8 +83,14 @@ class DecodeSide(Mode):
             runner.config.num_layers, runner.num_local_kv_heads, runner.config.head_dim, runner.kv_dtype)
         self.feature_bytes_per_position = self.draft_kv_bytes_per_position = 0
         spec = self.core.spec
+        # This rank's slice of each transferred feature row (None: the whole row); the
+        # ranks all-gather the rest before the draft reads it (_gather_features).
+        self.feature_slice = (feature_slice(spec.config.feature_width, tp.rank, tp.size) if spec is not None
+                              else None)
+        self._feature_slots: list[int] = []  # committed this step, still sliced
         if spec is not None:
-            self.feature_bytes_per_position = spec.features[0].numel() * spec.features.element_size()
+            width = self.feature_slice.count if self.feature_slice is not None else spec.config.feature_width
+            self.feature_bytes_per_position = width * spec.features.element_size()
             self.draft_kv_bytes_per_position = sum(t[0].numel() * t.element_size()
                                                    for t in spec.draft_pool.buffers().values())
         # Committed (KV and first token in) but their grammar still compiling: they join
@@ -270,8 +279,11 @@ class DecodeSide(Mode):
         self.handoffs.remove(h)
         self.manager.release(h.room)
         req = h.req
+        received_slots = self.core.kv.slots(req, h.first_position, len(req.prompt_ids))
         if self.staging is not None:  # the transfer filled the host twins: into the pool before any step
-            self.staging.stage_in(self.core.kv.slots(req, h.first_position, len(req.prompt_ids)))
+            self.staging.stage_in(received_slots)
+        if not h.draft_state and self.feature_slice is not None:
+            self._feature_slots += received_slots
         req.cached_tokens = record.cached_tokens
         self.prefix_hit_tokens += h.first_position
         received = len(req.prompt_ids) - h.first_position
@@ -308,11 +320,24 @@ class DecodeSide(Mode):
     def _draft_prompts(self, out: StepOutput) -> None:
         """The draft state of the requests that joined this step from transferred
         features: one draft extend over all their prompts (before any decode step)."""
+        self._gather_features()
         reqs, self._drafting = [r for r in self._drafting if r.finish is None], []
         if reqs:
             with self.core.guarded(reqs, out, "drafting the transferred prompts"):
                 self.core.decoding.prefilled(reqs)
                 self.draft_prefill_tokens += sum(r.kv_len for r in reqs)
+
+    def _gather_features(self) -> None:
+        """Complete the feature rows committed this step: each rank received its slice of
+        them, one all-gather over the step's rows gives every rank the whole rows (the
+        same collective on every rank: commits are agreed across ranks)."""
+        if not self._feature_slots:
+            return
+        assert self.core.spec is not None and self.feature_slice is not None
+        pool, part = self.core.spec.features, self.feature_slice
+        slots = torch.tensor(self._feature_slots, dtype=torch.int64, device=pool.device)
+        self._feature_slots = []
+        pool[slots] = self.core.tp.all_gather_last_dim(pool[slots, part.start:part.end])
 
     def _unpark(self, out: StepOutput) -> bool:
         """Parked requests whose grammar is now ready (or failed, or past its deadline)

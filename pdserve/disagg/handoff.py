@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from pdserve.disagg import protocol as P
-from pdserve.disagg.layout import PROTOCOL_VERSION, BufferSpec, CompatRecord, HeadRange, KVLayout, kv_head_range
+from pdserve.disagg.layout import (PROTOCOL_VERSION, BufferSpec, CompatRecord, HeadRange, KVLayout, feature_slice,
+                                   kv_head_range)
 from pdserve.disagg.staging import HostStaging, choose_staging
 from pdserve.disagg.transfer import TransferEngine
 from pdserve.model.parallel import TPGroup
@@ -196,17 +197,25 @@ def transfer_staging(sched: "Scheduler", engine: TransferEngine) -> HostStaging 
     return HostStaging() if mode == "host" else None
 
 
-def buffer_spec(name: str, t: torch.Tensor, staging: HostStaging | None, heads: HeadRange | None = None) -> BufferSpec:
+def buffer_spec(name: str, t: torch.Tensor, staging: HostStaging | None, heads: HeadRange | None = None,
+                receives: HeadRange | None = None) -> BufferSpec:
     """A transfer buffer as the engine sees it: ``t`` itself, or its host twin."""
     if staging is not None:
         t = staging.twin(name, t)
-    return BufferSpec(name, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size(), heads)
+    return BufferSpec(name, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size(), heads, receives)
+
+
+def feature_elements(pool: torch.Tensor) -> HeadRange:
+    """A feature pool's row as a "head" range of single elements (the unit a decode
+    rank's slice is cut in: BufferSpec.receives)."""
+    return HeadRange(0, pool.shape[1], pool.shape[1])
 
 
 def kv_layout(sched: "Scheduler", staging: HostStaging | None, with_features: bool) -> KVLayout:
     """The named buffers of this rank: target KV (head-sharded) and, with a draft, the
     draft KV (``draft.L{i}.K/V``, head-sharded like the target's) and the target-feature
-    pool (one row per slot, the same on every rank); their host twins when staged."""
+    pool (one full row per slot on every rank, of which this rank receives its slice:
+    ``feature_slice``); their host twins when staged."""
     heads = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
     kv = sched.kv.kv_pool.buffers()
     spec = sched.spec
@@ -218,7 +227,9 @@ def kv_layout(sched: "Scheduler", staging: HostStaging | None, with_features: bo
     if spec is not None:
         draft_heads = kv_head_range(spec.config.layer.num_kv_heads, sched.tp.rank, sched.tp.size)
         specs += [buffer_spec(name, t, staging, draft_heads) for name, t in draft.items()]
-    specs += [buffer_spec(name, t, staging) for name, t in features.items()]
+    width = spec.config.feature_width if spec is not None else 0
+    specs += [buffer_spec(name, t, staging, feature_elements(t), feature_slice(width, sched.tp.rank, sched.tp.size))
+              for name, t in features.items()]
     return KVLayout(sched.page_size, tuple(specs))
 
 

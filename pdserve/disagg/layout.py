@@ -12,7 +12,11 @@ unless decode says it fills that buffer itself.
 Heterogeneous tensor parallelism: a buffer's slot holds heads
 [head_start, head_start + head_count) of ``total_heads``; a prefill rank sends
 a decode rank the heads both hold, and when several prefill ranks hold a head
-(GQA replication) only the lowest of them sends it.
+(GQA replication) only the lowest of them sends it. A decode buffer may hold more
+heads than it asks for (``receives``): the target features are one full row per
+slot on every rank, each decode rank receives its 1/tp slice of the row (the
+"heads" there are elements) and the ranks all-gather the rest, so the wire carries
+each feature once whatever decode's TP.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from typing import Iterable, Sequence
 
 from pdserve.disagg.transfer import WriteBatch, coalesce
 
-PROTOCOL_VERSION = 5  # 2: WritesDone acknowledges a failed room's writes; 3: TransferRequest.first_position;
+PROTOCOL_VERSION = 6  # 2: WritesDone acknowledges a failed room's writes; 3: TransferRequest.first_position;
 #                       4: signed frames carry a MAC over their raw bytes and name their recipient;
-#                       5: the draft-state hand-off (draft KV + DraftState instead of features)
+#                       5: the draft-state hand-off (draft KV + DraftState instead of features);
+#                       6: a decode TP rank receives only its slice of the features (BufferSpec.receives)
 
 
 class HandshakeError(ValueError):
@@ -54,6 +59,15 @@ class BufferSpec:
     num_slots: int
     slot_bytes: int
     heads: HeadRange | None = None  # KV buffers: the heads one slot holds; None = not head-sharded
+    # The heads of ``heads`` this buffer wants written by prefill (None: all of them);
+    # the rest its own side fills.
+    receives: HeadRange | None = None
+
+    def __post_init__(self) -> None:
+        if self.receives is not None and (self.heads is None or self.receives.total != self.heads.total
+                                          or not self.heads.start <= self.receives.start
+                                          or self.receives.end > self.heads.end):
+            raise ValueError(f"buffer {self.name!r}: receives {self.receives} is not within its heads {self.heads}")
 
     @property
     def head_bytes(self) -> int:
@@ -148,6 +162,16 @@ def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> HeadRange:
     return HeadRange(tp_rank // (tp_size // num_kv_heads), 1, num_kv_heads)
 
 
+def feature_slice(width: int, tp_rank: int, tp_size: int) -> HeadRange | None:
+    """The elements of a feature row a decode TP rank receives: its 1/tp of them (the
+    ranks all-gather the rest); None when the row does not split evenly (every rank
+    receives the whole row)."""
+    if tp_size == 1 or width % tp_size:
+        return None
+    per = width // tp_size
+    return HeadRange(tp_rank * per, per, width)
+
+
 def sender_heads(prefill_ranges: Sequence[HeadRange], prefill_rank: int, dst: HeadRange) -> HeadRange | None:
     """The heads of ``dst`` that prefill rank ``prefill_rank`` must send: those it
     holds that no lower prefill rank holds. Ranges are contiguous, so the result is."""
@@ -228,7 +252,7 @@ def plan_transfer(src: KVLayout, dst: KVLayout, wanted: Iterable[str], prefill_r
             pairs.append(BufferPair(s, d, 0, 0, s.slot_bytes))
             continue
         ranges = list(prefill_head_ranges) if prefill_head_ranges is not None else [s.heads]
-        sent = sender_heads(ranges, prefill_rank if prefill_head_ranges is not None else 0, d.heads)
+        sent = sender_heads(ranges, prefill_rank if prefill_head_ranges is not None else 0, d.receives or d.heads)
         if sent is None:
             continue
         hb = s.head_bytes

@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from pdserve.disagg.handoff import feature_elements
 from pdserve.disagg.layout import BufferSpec, HandshakeError
 from pdserve.disagg.staging import HostStaging, StagingMemoryError
 from pdserve.scheduler.memory_budget import MIN_HEADROOM_BYTES, device_free_bytes
@@ -76,7 +77,7 @@ class FeatureProvider:
             row = pool[0].numel() * pool.element_size()
             if row != slot_bytes:
                 raise HandshakeError(f"features: prefill rows are {row} bytes, decode's {slot_bytes}")
-            return BufferSpec("features", pool.data_ptr(), pool.shape[0], row)
+            return BufferSpec("features", pool.data_ptr(), pool.shape[0], row, feature_elements(pool))
 
     def _pool(self, width: int) -> torch.Tensor:
         """A plain prefill server's feature pool, made at the first speculative decode's

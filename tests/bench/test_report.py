@@ -36,3 +36,28 @@ def test_ratio_sentences_name_the_winner_and_ratio():
     assert ratio_sentence("x", "a", 2.0, "b", 2.0, True, "GB/s") == "x: level (2.0 GB/s each)"
     assert "not comparable" in ratio_sentence("x", "a", None, "b", 1.0, True)
     assert "not comparable" in ratio_sentence("x", "a", 0.0, "b", 1.0, True)
+
+
+def test_long_prompt_itl_section_reads_both_rows_and_the_decode_counters(tmp_path):
+    """Section 7's table: one row per prefill kind, the decode server's draft prefill
+    counter beside it, and the ITL p99 sentence naming the lower side."""
+    import json
+
+    from pdserve.bench.report_sections import section7
+
+    args = {"request_rate": 3, "num_prompts": 48, "random_input_len": 1900, "random_range_ratio": 0.05,
+            "random_output_len": 128}
+    for key, p99, drafted in (("p_spec", 20.0, 0), ("p_plain", 30.0, 45000)):
+        rec = {"args": args, "mean_ttft_ms": 100.0, "mean_tpot_ms": 9.0, "median_itl_ms": 8.0, "p99_itl_ms": p99,
+               "max_itl_ms": 2 * p99, "output_throughput": 50.0, "failed": 0}
+        (tmp_path / f"{key}.jsonl").write_text(json.dumps(rec) + "\n")
+        (tmp_path / f"{key}.decode_metrics").write_text(
+            f"pdserve:decode_draft_prefill_tokens_total {drafted}.0\n"
+            f'pdserve:kv_transfer_bytes_total{{kind="features"}} 1.0\n')
+    text = section7(tmp_path)
+    assert "48 prompts of 95-1900 tokens" in text
+    rows = [line for line in text.splitlines() if line.startswith("| P drafting") or line.startswith("| plain P")]
+    assert rows[0].endswith("| 20.00 | 40.00 | 50.0 | 0 |") and rows[1].endswith("| 30.00 | 60.00 | 50.0 | 45000 |")
+    assert "ITL p99: P drafting ahead by 1.50x (20.00 vs 30.00 ms)" in text
+    (tmp_path / "p_plain.jsonl").unlink()
+    assert "| plain P (decode drafts the prompt) | not measured |" in section7(tmp_path)

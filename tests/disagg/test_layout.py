@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from pdserve.disagg.layout import (PROTOCOL_VERSION, BufferSpec, CompatRecord, HandshakeError, KVLayout,
-                                   check_compatible, kv_head_range, plan_transfer)
+from pdserve.disagg.layout import (PROTOCOL_VERSION, BufferSpec, CompatRecord, HandshakeError, HeadRange, KVLayout,
+                                   check_compatible, feature_slice, kv_head_range, plan_transfer)
 from pdserve.disagg.transfer import LocalTransfer, WriteBatch, coalesce, split_batch
 
 pytestmark = pytest.mark.fast
@@ -104,6 +104,32 @@ def test_head_slicing_moves_every_head_once(kv_heads, p_tp, d_tp):
             assert writes_per_head.get((dr, h)) == 1, (dr, h, writes_per_head)
 
 
+@pytest.mark.parametrize("d_tp", [1, 2, 4])
+def test_each_decode_rank_receives_its_feature_slice_once(d_tp):
+    """Features are whole rows on every rank; each decode rank receives its 1/tp slice of
+    the rows (the ranks all-gather the rest), so the rows cross the wire once."""
+    width = 12
+    rows = torch.randn(SLOTS, width)
+    elements = HeadRange(0, width, width)
+    src = KVLayout(1, (BufferSpec("features", rows.data_ptr(), SLOTS, width * 4, elements),))
+    pools = [torch.zeros(SLOTS, width) for _ in range(d_tp)]
+    sent = 0
+    slots = [1, 2, 3, 9]
+    for rank, dst_pool in enumerate(pools):
+        part = feature_slice(width, rank, d_tp)
+        dst = KVLayout(1, (BufferSpec("features", dst_pool.data_ptr(), SLOTS, width * 4, elements, part),))
+        batch = plan_transfer(src, dst, ["features"]).writes(slots, slots)
+        LocalTransfer().write("self", batch)
+        sent += batch.nbytes
+        lo, hi = (part.start, part.end) if part is not None else (0, width)
+        assert torch.equal(dst_pool[slots, lo:hi], rows[slots, lo:hi])
+        assert bool((dst_pool[:, :lo] == 0).all()) and bool((dst_pool[:, hi:] == 0).all())  # nothing else written
+    assert sent == len(slots) * width * 4
+    assert feature_slice(10, 0, 4) is None  # uneven: every rank receives whole rows
+    with pytest.raises(ValueError, match="receives"):
+        BufferSpec("features", 0, 1, 4, None, HeadRange(0, 1, 4))
+
+
 def test_compat_record_names_the_mismatch():
     base = CompatRecord(PROTOCOL_VERSION, "LlamaForCausalLM", 4, 4, 64, "float32", 1, 104)
     check_compatible(base, base)
@@ -118,12 +144,12 @@ def test_compat_record_names_the_mismatch():
     check_compatible(eagle, base)   # and the reverse
     with pytest.raises(HandshakeError, match="speculative_algorithm: EAGLE vs EAGLE3"):
         check_compatible(eagle, eagle3)
-    # A peer of the previous protocol (before the draft-state hand-off) is refused by name.
-    old = CompatRecord(**{**base.__dict__, "protocol_version": 4})
-    with pytest.raises(HandshakeError, match=f"protocol_version: 4 vs {PROTOCOL_VERSION} \\(pdserve releases with "
+    # A peer of the previous protocol (whole feature rows to every decode rank) is refused by name.
+    old = CompatRecord(**{**base.__dict__, "protocol_version": 5})
+    with pytest.raises(HandshakeError, match=f"protocol_version: 5 vs {PROTOCOL_VERSION} \\(pdserve releases with "
                                              "different PD protocols: run the same release on both sides\\)"):
         check_compatible(old, base)
-    assert PROTOCOL_VERSION == 5
+    assert PROTOCOL_VERSION == 6
 
 
 def test_only_the_same_draft_and_top_k_share_the_draft_state():

@@ -5,7 +5,8 @@ engine. Decode servers run --debug-tp-agreement (their ranks compare every round
 and accepted path). A speculative prefill pairs with a decode running the same draft
 (the handshake refuses other algorithms; tests/disagg/test_layout.py) and hands over its
 draft state: the draft KV, head-sharded like the target's, crosses from every prefill
-rank to the decode ranks holding those heads."""
+rank to the decode ranks holding those heads. A plain prefill sends the features once:
+each decode rank receives its slice of every row."""
 
 from __future__ import annotations
 
@@ -106,6 +107,10 @@ def test_tp_speculative_pairs_equal_colocated(dirs, decodes, reference, p_algo, 
                 assert (sent["draft_kv"] > 0, sent["features"] > 0) == (shares, not shares), sent
                 for kind in ("target_kv", "draft_kv"):
                     assert sent[kind] * p_tp == received[kind] * cell[1], (kind, sent, received)
+                # Features are whole rows on every prefill rank: rank 0 sends each row once,
+                # split over the decode ranks, which all-gather it (--debug-tp-agreement
+                # and the equal outputs check the gathered rows).
+                assert sent["features"] == received["features"] * cell[1], (sent, received)
             p.assert_pools_full()
         finally:
             p.close()
