@@ -146,9 +146,9 @@ class ModelConfig:
                                    f"{rope.rotary_dim(head_dim)} of the {head_dim} head dims; RoPE needs an even "
                                    "number, at least 2")
         qk_norm = model.qk_norm or (model.qk_norm_switch is not None and raw.get(model.qk_norm_switch) is True)
-        nextn = int(raw.get(model.nextn_layers_key) or 0) if model.nextn_layers_key is not None else 0
-        if nextn < 0:
-            raise ModelConfigError(f"{arch}: {model.nextn_layers_key} {nextn} is negative")
+        nextn = raw.get(model.nextn_layers_key) or 0 if model.nextn_layers_key is not None else 0
+        if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 0:
+            raise ModelConfigError(f"{arch}: {model.nextn_layers_key} must be a count (0 or more), got {nextn!r}")
         attention_bias = bool(raw.get("attention_bias", False)) and model.reads_attention_bias
         sliding = raw.get("sliding_window")
         if model.sliding_window_switch is not None and not raw.get(model.sliding_window_switch, False):
@@ -198,6 +198,9 @@ def _partial_rotary_factor(arch: str, model: type[CausalLM], raw: dict[str, Any]
         nested = raw.get(key)
         if isinstance(nested, dict) and nested.get("partial_rotary_factor") is not None:
             found.append(nested["partial_rotary_factor"])
+    bad = [f for f in found if isinstance(f, bool) or not isinstance(f, (int, float))]
+    if bad:
+        raise ModelConfigError(f"{arch}: partial_rotary_factor must be a number, got {bad[0]!r}")
     if len({float(f) for f in found}) > 1:
         raise ModelConfigError(f"{arch}: partial_rotary_factor values disagree: {found}")
     if model.default_partial_rotary_factor is None:

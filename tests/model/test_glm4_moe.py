@@ -301,6 +301,8 @@ def _raw(**changes):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}},
      "partial_rotary_factor values disagree"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"partial_rotary_factor": "half"}, "partial_rotary_factor must be a number, got 'half'"),
+    ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers must be a count"),
 ])
 def test_unsupported_glm_configs_are_refused(changes, match):
     with pytest.raises(ModelConfigError, match=match) as info:
