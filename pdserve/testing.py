@@ -56,6 +56,17 @@ def hf_causal_lm_name(model_type: str) -> str:
     return types[model_type]
 
 
+# Per model type, the config a tiny checkpoint gets unless the caller overrides it:
+# glm4_moe is GLM-4.5-shaped (layer 0 dense, then MoE layers with grouped sigmoid routing,
+# a non-zero score-correction bias, scaled weights, a shared expert; half the head dims
+# rotated; q/k/v biases; one NextN layer stored after the decoder's).
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm4_moe": dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                     n_group=4, topk_group=2, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                     partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False, num_nextn_predict_layers=1),
+}
+
+
 def build_random_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: int = 64,
                        num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                        intermediate_size: int = 128, vocab_size: int | None = None,
@@ -78,6 +89,7 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", *, hidden_size:
     )
     # Explicit: some configs' default is not hidden_size // num_heads (Qwen3's is 128).
     kwargs["head_dim"] = hidden_size // num_heads
+    kwargs.update(ARCH_DEFAULTS.get(arch, {}))
     kwargs.update(config_overrides)
     cfg = model_cls.config_class(**kwargs)
     torch.manual_seed(seed)
@@ -90,10 +102,39 @@ def build_random_model(out_dir: str | Path, arch: str = "llama", *, hidden_size:
                 p.normal_(0.0, 0.15 if "embed" not in name else 1.0)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init: it would not be tested
+                buf.normal_(0.0, 0.1)
     model.save_pretrained(str(out))
+    nextn = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+    if nextn:
+        _add_nextn_layers(out, cfg.num_hidden_layers, nextn, hidden_size)
     gen = {"bos_token_id": 1, "eos_token_id": 2}
     (out / "generation_config.json").write_text(json.dumps(gen))
     return out
+
+
+def _add_nextn_layers(out: Path, num_layers: int, count: int, hidden: int) -> None:
+    """Store ``count`` random MTP (NextN) layers after the decoder's, as GLM-4.5's
+    checkpoints do and transformers neither builds nor saves: ``model.layers.{num_layers + i}``
+    with eh_proj, enorm, hnorm, shared_head.norm and a decoder layer shaped like the last one."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    last = f"model.layers.{num_layers - 1}."
+    gen = torch.Generator().manual_seed(num_layers)
+    for i in range(count):
+        pre = f"model.layers.{num_layers + i}."
+        extra = {"eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen) * 0.15}
+        for norm in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            extra[norm] = torch.ones(hidden)
+        for name, t in tensors.items():
+            if name.startswith(last):
+                extra[name[len(last):]] = torch.randn(t.shape, generator=gen) * 0.15
+        tensors.update({pre + k: v for k, v in extra.items()})
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 EAGLE3_LAYOUTS = ("sglang", "vllm", "speculators")

@@ -135,11 +135,14 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, rope: RopeConfig) -> t
 
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) RoPE with a precomputed cos/sin table (times
-    yarn's attention factor, as transformers applies it)."""
+    yarn's attention factor, as transformers applies it). With a partial rotary factor
+    (GLM-4.5) the rotate-half layout covers the first ``rotary_dim`` dims of each head
+    (pairs i and i + rotary_dim / 2), and the rest pass through unchanged."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, rope)
+        self.rotary_dim = rope.rotary_dim(head_dim)
+        inv_freq = rope_inv_freq(self.rotary_dim, rope)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         # yarn scales both q and k (so the attention logits by its square); 1 otherwise.
@@ -148,14 +151,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, 1, head_dim/2] at ``positions`` [T]."""
+        """cos/sin [T, 1, rotary_dim/2] at ``positions`` [T]."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q/k: [T, heads, head_dim] rotated by ``cos_sin()`` of their positions."""
         cos, sin = cos_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.rotary_dim == q.shape[-1]:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        d = self.rotary_dim
+        return (torch.cat((_rotate(q[..., :d], cos, sin), q[..., d:]), dim=-1),
+                torch.cat((_rotate(k[..., :d], cos, sin), k[..., d:]), dim=-1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -244,12 +251,19 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(Linear):
-    """A linear whose input columns are sharded; outputs are summed over ranks."""
+    """A linear whose input columns are sharded; outputs are summed over ranks (unless
+    ``reduce_results`` is False: then the caller all-reduces this rank's partial sum,
+    with others, once)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, what: str) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, what: str,
+                 reduce_results: bool = True) -> None:
         super().__init__()
+        if bias and not reduce_results:
+            # Every rank would add the bias to its partial sum: the reduction would count it tp times.
+            raise ValueError(f"{what}: a bias needs the output reduced here")
         self.tp = tp
         self.what = what
+        self.reduce_results = reduce_results
         self.lo, self.hi = shard_range(in_features, tp.rank, tp.size, f"{what} input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.hi - self.lo))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
@@ -262,7 +276,10 @@ class RowParallelLinear(Linear):
             _attach_loader(self.bias, _full_loader(self.bias, f"{what} bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self._matmul(x, None))
+        out = self._matmul(x, None)
+        if not self.reduce_results:
+            return out
+        out = self.tp.all_reduce(out)
         return out + self.bias if self.bias is not None else out
 
 

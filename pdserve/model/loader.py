@@ -203,7 +203,8 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
         if not param.is_meta:
             raise TypeError(f"{type(model).__name__}.{name} was not constructed on the meta device "
                             f"(it is on {param.device}); construct parameters without an explicit device")
-        target = dtype if param.is_floating_point() else param.dtype
+        # ``keeps_dtype``: a parameter that must stay as constructed (fp32 router biases).
+        target = dtype if param.is_floating_point() and not getattr(param, "keeps_dtype", False) else param.dtype
         # Never trained here: with requires_grad, every forward outside inference mode
         # (a CUDA graph's capture) would record autograd state and keep it alive.
         storage = nn.Parameter(torch.empty(param.shape, dtype=target, device=device), requires_grad=False)
@@ -239,6 +240,9 @@ def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str 
             for stored_name in f.keys():
                 ckpt_name = stored_name
                 if ckpt_name.endswith(model.ignored_suffixes) or (tied and ckpt_name == "lm_head.weight"):
+                    continue
+                # Layers stored but not built (GLM-4.5's NextN layer: CausalLM.ignored_prefixes).
+                if ckpt_name.startswith(getattr(model, "ignored_prefixes", ())):
                     continue
                 # KV-cache scales are no weights: the runner reads them (model/kv_quant.py) when
                 # the KV pool is fp8. A model that does not say it reads them refuses them below.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -31,20 +31,48 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # Partial RoPE (GLM-4.5): only the first int(head_dim * factor) dims of each q/k head
+    # are rotated (the inverse frequencies are over that many dims); the rest pass through.
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
+
+
+@dataclass(frozen=True)
+class MoeRouting:
+    """How the router picks each token's experts and weighs them.
+
+    softmax (Qwen3-MoE, Mixtral): the top_k of the softmax over the router logits.
+    sigmoid (GLM-4.5; DeepSeek-V3's ``noaux_tc``): per-expert sigmoid scores; the
+    experts are *chosen* by the scores plus ``e_score_correction_bias`` (when
+    ``correction_bias``), first the ``topk_groups`` best of ``num_groups`` equal groups
+    of experts (a group ranked by the sum of its two best corrected scores), then the
+    top_k experts inside them; their *weights* are the uncorrected scores. Either way
+    the weights are renormalised with ``norm_topk_prob``, then multiplied by
+    ``scaling_factor`` (``routed_scaling_factor``)."""
+    scoring: str = "softmax"  # softmax | sigmoid
+    num_groups: int = 1
+    topk_groups: int = 1
+    correction_bias: bool = False
+    scaling_factor: float = 1.0
 
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """The sparse feed-forward of Qwen3-MoE and Mixtral: a softmax router over
-    ``num_experts`` picks ``top_k`` per token; their probabilities are renormalised to
-    sum to 1 when ``norm_topk_prob`` (always for Mixtral). Layers not in
-    ``sparse_layers`` keep the dense MLP (Qwen3-MoE's ``mlp_only_layers`` /
-    ``decoder_sparse_step``)."""
+    """The sparse feed-forward: a router over ``num_experts`` picks ``top_k`` per token
+    (``routing`` says how); their weights are renormalised to sum to 1 when
+    ``norm_topk_prob`` (always for Mixtral). Layers not in ``sparse_layers`` keep the
+    dense MLP (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``, GLM-4.5's
+    ``first_k_dense_replace``). ``shared_intermediate_size`` > 0: an always-on MLP of that
+    width (GLM-4.5's shared experts) is added to the routed experts' output."""
     num_experts: int
     top_k: int
     intermediate_size: int  # per expert
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]
+    routing: MoeRouting = MoeRouting()
+    shared_intermediate_size: int = 0
 
     def is_sparse(self, layer_id: int) -> bool:
         return layer_id in self.sparse_layers
@@ -73,6 +101,10 @@ class ModelConfig:
     # Sliding-window attention is not implemented: such models are capped to the window.
     sliding_window: int | None
     moe: MoeConfig | None = None  # None: every layer has the dense MLP
+    # Multi-token-prediction (NextN) layers the checkpoint stores after the decoder's, as
+    # model.layers.{num_layers + i}.* (GLM-4.5): not part of the target model; their
+    # tensors are skipped when it loads.
+    nextn_layers: int = 0
 
     @property
     def context_limit(self) -> int:
@@ -105,16 +137,23 @@ class ModelConfig:
         if heads % kv_heads:
             raise ModelConfigError(f"num_attention_heads {heads} is not a multiple of "
                                    f"num_key_value_heads {kv_heads}")
-        if raw.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ModelConfigError("partial_rotary_factor != 1 is not supported")
         num_layers = int(raw["num_hidden_layers"])
         moe = _moe_config(arch, model, raw, num_layers) if model.is_moe else None
+        max_pos = int(raw.get("max_position_embeddings", 2048))
+        rope = replace(_rope_config(raw, max_pos), partial_rotary_factor=_partial_rotary_factor(arch, model, raw))
+        if rope.rotary_dim(head_dim) % 2 or rope.rotary_dim(head_dim) < 2:
+            raise ModelConfigError(f"{arch}: partial_rotary_factor {rope.partial_rotary_factor} rotates "
+                                   f"{rope.rotary_dim(head_dim)} of the {head_dim} head dims; RoPE needs an even "
+                                   "number, at least 2")
+        qk_norm = model.qk_norm or (model.qk_norm_switch is not None and raw.get(model.qk_norm_switch) is True)
+        nextn = raw.get(model.nextn_layers_key) or 0 if model.nextn_layers_key is not None else 0
+        if isinstance(nextn, bool) or not isinstance(nextn, int) or nextn < 0:
+            raise ModelConfigError(f"{arch}: {model.nextn_layers_key} must be a count (0 or more), got {nextn!r}")
         attention_bias = bool(raw.get("attention_bias", False)) and model.reads_attention_bias
         sliding = raw.get("sliding_window")
         if model.sliding_window_switch is not None and not raw.get(model.sliding_window_switch, False):
             sliding = None
         eos = _eos_ids(raw, generation or {})
-        max_pos = int(raw.get("max_position_embeddings", 2048))
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -126,16 +165,17 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
-            rope=_rope_config(raw, max_pos),
+            rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias or model.qkv_bias,
             o_proj_bias=attention_bias and model.o_proj_follows_attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) and moe is None,  # experts carry no biases
-            qk_norm=model.qk_norm,
+            qk_norm=qk_norm,
             eos_token_ids=eos,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             sliding_window=int(sliding) if sliding else None,
             moe=moe,
+            nextn_layers=nextn,
         )
 
 
@@ -146,6 +186,32 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+def _partial_rotary_factor(arch: str, model: type[CausalLM], raw: dict[str, Any]) -> float:
+    """``partial_rotary_factor``: top-level (the checkpoints' config.json) or inside
+    rope_parameters / rope_scaling (where transformers 5 writes it); absent, the
+    architecture's default (GLM-4.5: 0.5, as in transformers). Refused (naming the key)
+    for architectures that rotate every dim."""
+    found = [raw["partial_rotary_factor"]] if raw.get("partial_rotary_factor") is not None else []
+    for key in ("rope_parameters", "rope_scaling"):
+        nested = raw.get(key)
+        if isinstance(nested, dict) and nested.get("partial_rotary_factor") is not None:
+            found.append(nested["partial_rotary_factor"])
+    bad = [f for f in found if isinstance(f, bool) or not isinstance(f, (int, float))]
+    if bad:
+        raise ModelConfigError(f"{arch}: partial_rotary_factor must be a number, got {bad[0]!r}")
+    if len({float(f) for f in found}) > 1:
+        raise ModelConfigError(f"{arch}: partial_rotary_factor values disagree: {found}")
+    if model.default_partial_rotary_factor is None:
+        if found and float(found[0]) != 1.0:
+            raise ModelConfigError(f"{arch}: partial_rotary_factor={found[0]!r} is not supported "
+                                   "(this architecture rotates every head dim)")
+        return 1.0
+    factor = float(found[0]) if found else model.default_partial_rotary_factor
+    if not 0.0 < factor <= 1.0:
+        raise ModelConfigError(f"{arch}: partial_rotary_factor {factor} must be in (0, 1]")
+    return factor
 
 
 def _rope_config(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
@@ -237,7 +303,8 @@ def _moe_config(arch: str, model: type[CausalLM], raw: dict[str, Any], num_layer
         return ModelConfigError(f"{arch}: {msg}")
 
     for key, off in _MOE_OFF.items():
-        if key in raw and raw[key] not in off:
+        # The keys the architecture reads itself are checked by its moe_routing / moe_layout.
+        if key in raw and raw[key] not in off and key not in model.moe_keys:
             raise fail(f"{key}={raw[key]!r} is not supported (only {off[-1]!r}: top-k softmax routing "
                        "over routed experts, no shared experts)")
     act = raw.get("hidden_act", "silu")
@@ -249,5 +316,31 @@ def _moe_config(arch: str, model: type[CausalLM], raw: dict[str, Any], num_layer
     num_experts, inter, top_k = int(num_experts), int(inter), int(raw.get("num_experts_per_tok", 0) or 0)
     if sparse and not 1 <= top_k <= num_experts:
         raise fail(f"num_experts_per_tok {top_k} must be between 1 and the number of experts ({num_experts})")
+    routing, shared = model.moe_routing(raw, fail)
+    if sparse:
+        _check_routing(routing, num_experts, top_k, fail)
+    if shared < 0:
+        raise fail(f"the shared experts' intermediate size {shared} is negative")
     return MoeConfig(num_experts=num_experts, top_k=top_k, intermediate_size=inter, norm_topk_prob=norm,
-                     sparse_layers=sparse)
+                     sparse_layers=sparse, routing=routing, shared_intermediate_size=shared)
+
+
+def _check_routing(routing: MoeRouting, num_experts: int, top_k: int, fail: MoeFail) -> None:
+    """Grouped top-k as GLM-4.5 / DeepSeek-V3 configure it (n_group, topk_group) must
+    describe a choice that exists: equal groups of at least two experts (a group is
+    ranked by its two best scores) that hold top_k experts between them."""
+    groups, keep = routing.num_groups, routing.topk_groups
+    if routing.scoring not in ("softmax", "sigmoid"):
+        raise fail(f"router scoring {routing.scoring!r} is not supported (softmax, sigmoid)")
+    if routing.scaling_factor <= 0:
+        raise fail(f"routed_scaling_factor {routing.scaling_factor} must be positive")
+    if groups < 1 or num_experts % groups:
+        raise fail(f"n_group {groups} must divide the number of experts ({num_experts})")
+    if not 1 <= keep <= groups:
+        raise fail(f"topk_group {keep} must be between 1 and n_group ({groups})")
+    if groups > 1 and num_experts // groups < 2:
+        raise fail(f"n_group {groups} leaves {num_experts // groups} expert per group; grouped routing ranks "
+                   "a group by its two best experts")
+    if top_k > keep * (num_experts // groups):
+        raise fail(f"num_experts_per_tok {top_k} exceeds the {keep * (num_experts // groups)} experts of the "
+                   f"topk_group {keep} groups routing keeps")

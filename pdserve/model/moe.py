@@ -1,8 +1,15 @@
-"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral).
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral, GLM-4.5).
 
-A replicated router scores every expert for each token (softmax in fp32), keeps the
-``top_k`` best and, with ``norm_topk_prob`` (always for Mixtral), renormalises their
-probabilities to sum to 1: for Mixtral that equals a softmax over the chosen logits.
+A replicated router scores every expert for each token and keeps ``top_k`` of them
+(``MoeRouting`` says how). Softmax (Qwen3-MoE, Mixtral): the ``top_k`` most probable,
+in fp32; with ``norm_topk_prob`` (always for Mixtral) their probabilities are
+renormalised to sum to 1, for Mixtral a softmax over the chosen logits. Sigmoid
+(GLM-4.5, as transformers' Glm4MoeTopkRouter): fp32 sigmoid scores; the choice is made
+on the scores plus the checkpoint's ``e_score_correction_bias`` (load balancing), first
+keeping the best ``topk_group`` of ``n_group`` groups, then the best ``top_k`` inside
+them; the weights are the uncorrected scores, renormalised with ``norm_topk_prob``
+and times ``routed_scaling_factor``. Shared experts (GLM-4.5) are a dense MLP every
+token goes through, added to the routed experts' output.
 
 Expert weights are stored fused, ``gate_up`` [E, 2 * I_local, H] (this rank's gate rows,
 then its up rows) and ``down`` [E, H, I_local], filled from the checkpoint's per-expert
@@ -19,7 +26,9 @@ with the routing weights. That is one Python iteration per *expert* (E is fixed 
 small next to a prefill's tokens) and no work for the experts nobody chose, whereas a
 padded [E, capacity, H] bmm would compute E x capacity rows to serve T x k. The cost:
 the per-expert counts are read on the host once per layer (a device sync on CUDA),
-which is why decode CUDA graphs are refused for MoE models (see ModelRunner).
+which is why decode CUDA graphs are refused for MoE models (see ModelRunner). The
+shared experts' down projection is left unreduced too: with the routed partial sum
+it makes one all-reduce per layer.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.layers import _attach_loader, _check_shape, _full_loader
-from pdserve.model.model_config import ModelConfig
+from pdserve.model.model_config import ModelConfig, MoeRouting
 from pdserve.model.parallel import TPGroup, shard_range
 
 # Checkpoint names per layout: (gate, up, down) of expert `{e}`, relative to the MoE block.
@@ -127,35 +136,71 @@ class FusedExperts(nn.Module):
 
 
 class Router(nn.Module):
-    """The replicated gate: logits over experts, softmax, top-k (renormalised)."""
+    """The replicated gate: logits over experts, then top-k as ``routing`` says."""
 
-    def __init__(self, num_experts: int, hidden: int, top_k: int, renormalize: bool) -> None:
+    def __init__(self, num_experts: int, hidden: int, top_k: int, renormalize: bool,
+                 routing: MoeRouting = MoeRouting()) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
+        self.routing = routing
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         _attach_loader(self.weight, _full_loader(self.weight, "router gate"))
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if routing.correction_bias:
+            # fp32 whatever the model's dtype (as transformers keeps it): it decides between
+            # experts whose scores may differ by less than a bf16 step.
+            bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+            bias.keeps_dtype = True  # type: ignore[attr-defined]  # read by loader.materialize
+            _attach_loader(bias, _full_loader(bias, "router e_score_correction_bias"))
+            self.e_score_correction_bias = bias
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T, k] (most probable first) and their fp32 weights [T, k]."""
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.routing.scoring == "sigmoid":
+            scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+            ids = self._choose(scores)
+            weights = scores.gather(1, ids)
+        else:
+            probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.routing.scaling_factor != 1.0:
+            weights = weights * self.routing.scaling_factor
         return ids, weights
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The experts of each token from its sigmoid scores [T, E]: corrected by the
+        bias, within the best groups (a group ranked by its two best corrected scores)."""
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        groups, keep = self.routing.num_groups, self.routing.topk_groups
+        if keep < groups:
+            tokens, experts = choice.shape
+            grouped = choice.view(tokens, groups, experts // groups)
+            best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(keep, dim=-1).indices  # [T, keep]
+            kept = torch.zeros(tokens, groups, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+            choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(tokens, experts)
+        return torch.topk(choice, self.top_k, dim=-1).indices
 
 
 class SparseMoeBlock(nn.Module):
-    """The MoE feed-forward replacing the dense MLP in the layers `MoeConfig` marks sparse."""
+    """The MoE feed-forward replacing the dense MLP in the layers `MoeConfig` marks sparse;
+    ``shared_experts`` (an MLP whose output is left unreduced) is added to every token's
+    routed output."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, shared_experts: nn.Module | None = None) -> None:
         super().__init__()
         moe = cfg.moe
         assert moe is not None
         self.tp = tp
-        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.top_k, moe.norm_topk_prob)
+        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.top_k, moe.norm_topk_prob, moe.routing)
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp)
+        self.shared_experts = shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        return self.tp.all_reduce(self.experts(x, ids, weights).to(x.dtype))
+        out = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)  # both this rank's partial sums: one reduction
+        return self.tp.all_reduce(out.to(x.dtype))

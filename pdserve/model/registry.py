@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "pdserve.model.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "pdserve.model.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "pdserve.model.mixtral:MixtralForCausalLM",
+    "Glm4MoeForCausalLM": "pdserve.model.glm4_moe:Glm4MoeForCausalLM",
 }
 
 

@@ -1,5 +1,5 @@
 """The decoder shared by the Llama-family architectures (Llama, Mistral, Qwen2, Qwen3, and
-the MoE ones: Qwen3-MoE, Mixtral).
+the MoE ones: Qwen3-MoE, Mixtral, GLM-4.5).
 
 Architecture files choose the variant (biases, q/k norm) and the checkpoint
 name mapping; nothing here schedules or allocates KV: the forward context says
@@ -17,7 +17,7 @@ from torch import nn
 from pdserve.model.attention import AttentionBackend, ForwardContext
 from pdserve.model.layers import (ColumnParallelLinear, Embedding, LMHead, QKVParallelLinear, RMSNorm,
                                   RotaryEmbedding, RowParallelLinear)
-from pdserve.model.model_config import ModelConfig, MoeFail, MoeLayout
+from pdserve.model.model_config import ModelConfig, MoeFail, MoeLayout, MoeRouting
 from pdserve.model.moe import SparseMoeBlock
 from pdserve.model.parallel import TPGroup
 
@@ -56,13 +56,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    """SwiGLU feed-forward, ``intermediate_size`` wide (default: the config's). With
+    ``reduce_results`` False its output is this rank's partial sum (the caller reduces
+    it together with others: the MoE block's shared experts)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, intermediate_size: int | None = None,
+                 reduce_results: bool = True) -> None:
         super().__init__()
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
-            cfg.hidden_size, {0: cfg.intermediate_size, 1: cfg.intermediate_size}, cfg.mlp_bias, tp,
-            "gate_up_proj")
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp,
-                                           "down_proj")
+            cfg.hidden_size, {0: inter, 1: inter}, cfg.mlp_bias, tp, "gate_up_proj")
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, tp, "down_proj",
+                                           reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -75,9 +80,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # MoE models (Qwen3-MoE, Mixtral): the experts in the layers their config marks sparse.
-        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_id)
-        self.mlp: nn.Module = SparseMoeBlock(cfg, tp) if sparse else MLP(cfg, tp)
+        # MoE models (Qwen3-MoE, Mixtral, GLM-4.5): the experts in the layers their config
+        # marks sparse, with the shared experts' MLP where the config has them.
+        self.mlp: nn.Module
+        if cfg.moe is not None and cfg.moe.is_sparse(layer_id):
+            shared = cfg.moe.shared_intermediate_size
+            self.mlp = SparseMoeBlock(cfg, tp, MLP(cfg, tp, shared, reduce_results=False) if shared else None)
+        else:
+            self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
@@ -134,10 +144,21 @@ class CausalLM(nn.Module):
     o_proj_follows_attention_bias: ClassVar[bool] = True
     # An RMSNorm over each q and k head before RoPE (weights self_attn.q_norm / k_norm).
     qk_norm: ClassVar[bool] = False
+    # The key that, true, turns that q/k norm on (GLM-4.5: use_qk_norm); None: ``qk_norm`` decides.
+    qk_norm_switch: ClassVar[str | None] = None
+    # The partial_rotary_factor a config without one gets (GLM-4.5: 0.5); None: every head
+    # dim is rotated, and a factor other than 1 is refused.
+    default_partial_rotary_factor: ClassVar[float | None] = None
+    # The key counting the MTP (NextN) layers stored after the decoder's (GLM-4.5:
+    # num_nextn_predict_layers): their tensors are skipped, the layers not built.
+    nextn_layers_key: ClassVar[str | None] = None
     # The key that must be true for ``sliding_window`` to apply (None: a window set applies).
     sliding_window_switch: ClassVar[str | None] = None
-    # Sparse MoE feed-forwards, read by ``moe_layout``.
+    # Sparse MoE feed-forwards, read by ``moe_layout`` and ``moe_routing``.
     is_moe: ClassVar[bool] = False
+    # Keys of other MoE designs (model_config._MOE_OFF: shared experts, grouped routing...)
+    # that this architecture reads and checks itself instead of having them refused.
+    moe_keys: ClassVar[frozenset[str]] = frozenset()
     # SGLang's default speculative shape for this target (num_steps, eagle_topk, num_draft_tokens).
     speculative_defaults: ClassVar[tuple[int, int, int]] = (3, 1, 4)
 
@@ -148,9 +169,17 @@ class CausalLM(nn.Module):
         raise. The checks shared by every MoE architecture run before (model_config)."""
         raise NotImplementedError(f"{cls.__name__} has no MoE layers")
 
+    @classmethod
+    def moe_routing(cls, raw: dict[str, Any], fail: MoeFail) -> tuple[MoeRouting, int]:
+        """MoE architectures: how the router picks and weighs experts, and the shared
+        experts' intermediate size (0: none). Default: softmax top-k, no shared experts."""
+        return MoeRouting(), 0
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.config = cfg
+        # Checkpoint tensors of layers this model does not build (the NextN layers): skipped.
+        self.ignored_prefixes = tuple(f"model.layers.{cfg.num_layers + i}." for i in range(cfg.nextn_layers))
         self.model = DecoderModel(cfg, tp)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
