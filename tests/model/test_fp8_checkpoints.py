@@ -23,28 +23,10 @@ from pdserve.model.layers import WeightShapeError
 from pdserve.model.model_config import Fp8Config, ModelConfig, ModelConfigError
 from pdserve.model.parallel import TPGroup
 from pdserve.model.registry import model_class
-from pdserve.testing import build_fp8_checkpoint
 from tests.conftest import GREEDY, random_prompts
 
 NEW = 12
 BLOCK = Fp8Config(method="fp8", strategy="block", block=(128, 128), scale_suffix="weight_scale_inv")
-
-
-@pytest.fixture(scope="session")
-def fp8_dirs(model_dirs, tmp_path_factory) -> Callable[..., tuple[Path, Path]]:
-    """(FP8 checkpoint, its dequantised plain twin) of a conftest model, built once per layout."""
-    built: dict[tuple, tuple[Path, Path]] = {}
-
-    def get(name: str, method: str = "fp8", strategy: str = "block", block: tuple[int, int] = (128, 128),
-            split_shards: bool = False) -> tuple[Path, Path]:
-        key = (name, method, strategy, block, split_shards)
-        if key not in built:
-            root = tmp_path_factory.mktemp(f"{name}-{method}-{strategy}")
-            fp8 = build_fp8_checkpoint(model_dirs(name), root / "fp8", method, strategy=strategy, block=block,
-                                       dequantized_dir=root / "ref", split_shards=split_shards)
-            built[key] = (fp8, root / "ref")
-        return built[key]
-    return get
 
 
 def load(model_dir: Path, tp: TPGroup = TPGroup(), **kwargs: Any) -> torch.nn.Module:
