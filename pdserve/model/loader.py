@@ -288,6 +288,11 @@ def keep_fp8_layers(model: nn.Module, quant: Fp8Config, scales: dict[str, torch.
     """Switch to fp8 weights (Linear.keep_fp8) each linear of the meta-device ``model``
     whose every checkpoint part is stored in fp8 (has a scale). The LM head and
     embeddings keep float weights: checkpoints leave them unquantised."""
+    group = quant.group
+    if group < 16 or group & (group - 1):
+        logger.warning("FP8 weight blocks %d columns wide: the FP8 GEMM needs a power of two of at least 16; "
+                       "the fp8 weights are dequantised instead", group)
+        return
     parts: dict[str, list[str]] = {}
     for (name, _), ckpt in _expected_names(model, tied=False).items():
         parts.setdefault(name, []).append(ckpt)
@@ -296,7 +301,7 @@ def keep_fp8_layers(model: nn.Module, quant: Fp8Config, scales: dict[str, torch.
             continue
         ckpt_names = parts.get(f"{module_name}.weight", [])
         if ckpt_names and all(n in scales for n in ckpt_names):
-            module.keep_fp8(quant.group, scale_varies_along_input=quant.strategy == "block")
+            module.keep_fp8(group, scale_varies_along_input=quant.strategy == "block")
 
 
 def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str | None] | None = None,

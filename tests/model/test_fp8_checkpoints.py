@@ -323,6 +323,12 @@ def test_a_tp_shard_inside_a_scale_block_is_refused_naming_the_layer(fp8_dirs):
                                                "64-column block"):
         load(fp8, TPGroup(rank=1, size=2), fp8_weights=True)
     load(fp8, TPGroup(rank=1, size=2))  # dequantised: any shard
+    # Blocks the GEMM cannot walk (not a power of two): dequantised, not refused.
+    odd, ref = fp8_dirs("llama_gqa", "compressed-tensors", "block", (24, 24))
+    model = load(odd, fp8_weights=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    want = dict(load(ref).named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
     # Per-channel scales do not vary along the input: any shard works with fp8 weights too.
     channel, _ = fp8_dirs("llama_gqa", "compressed-tensors", "channel")
     assert load(channel, TPGroup(rank=1, size=2), fp8_weights=True).model.layers[0].self_attn.o_proj.fp8_group == 128
