@@ -7,6 +7,7 @@ models with transformers and use transformers as the reference runtime.
 from __future__ import annotations
 
 import json
+import shutil
 import string
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,100 @@ def _add_nextn_layers(out: Path, num_layers: int, count: int, hidden: int) -> No
                 extra[name[len(last):]] = torch.randn(t.shape, generator=gen) * 0.15
         tensors.update({pre + k: v for k, v in extra.items()})
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+# FP8 checkpoint layouts `build_fp8_checkpoint` writes: (quant_method, weight strategy).
+FP8_LAYOUTS = (("fp8", "block"), ("compressed-tensors", "channel"), ("compressed-tensors", "tensor"),
+               ("compressed-tensors", "block"))
+# Router gates stay unquantised in public FP8 checkpoints (compressed-tensors ignores them).
+_FP8_SKIPPED = ("model.embed_tokens.weight", "lm_head.weight", ".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+
+
+def build_fp8_checkpoint(src_dir: str | Path, out_dir: str | Path, method: str = "fp8", *, strategy: str = "block",
+                         block: tuple[int, int] = (128, 128), dequantized_dir: str | Path | None = None,
+                         split_shards: bool = False) -> Path:
+    """Write an FP8 version of the float checkpoint at ``src_dir`` (e.g. `build_random_model`'s):
+    every linear weight (attention, MLP and expert projections; not the embeddings, the
+    LM head or a router gate) as float8_e4m3fn plus its fp32 scale, in the layout of
+    ``method`` / ``strategy`` (`FP8_LAYOUTS`): quant_method fp8 with ``weight_block_size``
+    ``block`` and ``<name>.weight_scale_inv`` (DeepSeek-V3, Qwen3-FP8), or compressed-tensors
+    float-quantized with ``<name>.weight_scale`` (channel [out, 1], tensor [1], or block).
+
+    ``dequantized_dir``: also write the plain checkpoint of the dequantised weights (the
+    reference an FP8 load must equal). ``split_shards``: two shards with an index, every
+    scale in the first and half of their weights in the second (a weight and its scale
+    in different files, in either order)."""
+    from safetensors.torch import load_file, save_file
+
+    from pdserve.model.fp8 import dequantize, quantize_weight
+    from pdserve.model.model_config import Fp8Config
+
+    if (method, strategy) not in FP8_LAYOUTS:
+        raise ValueError(f"(method, strategy) must be one of {FP8_LAYOUTS}, got {(method, strategy)}")
+    src, out = Path(src_dir), Path(out_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    state: dict[str, Any] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    is_block = strategy == "block"
+    suffix = "weight_scale_inv" if method == "fp8" else "weight_scale"
+    quant = Fp8Config(method=method, strategy=strategy, block=tuple(block) if is_block else None,  # type: ignore[arg-type]
+                      scale_suffix=suffix)
+    fp8: dict[str, Any] = {}
+    scales: dict[str, Any] = {}
+    dense: dict[str, Any] = {}
+    for name, tensor in state.items():
+        if tensor.dim() == 2 and name.endswith(".weight") and not name.endswith(_FP8_SKIPPED):
+            fp8[name], scales[name.removesuffix("weight") + suffix] = quantize_weight(tensor, quant)
+        else:
+            dense[name] = tensor
+    if method == "fp8":
+        qcfg: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": list(block)}
+    else:
+        weights: dict[str, Any] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                                   "strategy": strategy, "group_size": None, "block_structure": None,
+                                   "actorder": None, "observer": "minmax"}
+        acts: dict[str, Any] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                "strategy": "token", "group_size": None, "block_structure": None,
+                                "actorder": None, "observer": None}
+        if is_block:
+            weights["block_structure"] = list(block)
+            acts.update(strategy="group", group_size=block[1])
+        qcfg = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                              "output_activations": None, "format": "float-quantized"}},
+                "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$"],
+                "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None}
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():  # tokenizer and generation config
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qcfg), indent=2) + "\n")
+    if split_shards:
+        names = sorted(fp8)
+        first = {**scales, **{n: fp8[n] for n in names[::2]}}
+        second = {**dense, **{n: fp8[n] for n in names[1::2]}}
+        files = {"model-00001-of-00002.safetensors": first, "model-00002-of-00002.safetensors": second}
+        for fname, tensors in files.items():
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / fname), metadata={"format": "pt"})
+        index = {"metadata": {}, "weight_map": {k: fname for fname, tensors in files.items() for k in tensors}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    else:
+        save_file({k: v.contiguous() for k, v in {**dense, **fp8, **scales}.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+    if dequantized_dir is not None:
+        ref = Path(dequantized_dir)
+        ref.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+                shutil.copy(f, ref / f.name)
+        plain = dict(dense)
+        for name, q in fp8.items():
+            plain[name] = dequantize(q, scales[name.removesuffix("weight") + suffix], quant, name)
+        save_file({k: v.contiguous() for k, v in plain.items()}, str(ref / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return out
 
 
 EAGLE3_LAYOUTS = ("sglang", "vllm", "speculators")

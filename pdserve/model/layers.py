@@ -56,15 +56,56 @@ def cpu_prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class Linear(nn.Module):
-    """Base of the linears: y = x W^T + b, through the packed CPU kernel when prepacked."""
+    """Base of the linears: y = x W^T + b, through the packed CPU kernel when prepacked,
+    or through the block-scaled FP8 GEMM when `keep_fp8` made the weight float8."""
 
     weight: nn.Parameter
+    what: str
     _packed: torch.Tensor | None = None
+    # FP8 weights (`keep_fp8`): input columns per scale (0: the weight is a float one) and
+    # the fp32 scales [rows, ceil(in / fp8_group)].
+    fp8_group: int = 0
+    weight_scale: nn.Parameter  # registered by keep_fp8 only
+    # The first checkpoint input column of this rank's weight (RowParallelLinear shards it).
+    input_start: int = 0
 
     def prepack(self) -> None:
         self._packed = cpu_prepack(self.weight.data)
 
+    def keep_fp8(self, group: int, scale_varies_along_input: bool) -> None:
+        """Hold the weight as the checkpoint's float8_e4m3fn values plus fp32 scales per
+        output row and per ``group`` input columns (model/fp8.py `gemm_scale`); forward
+        then runs model/fp8_gemm.py. Called on the meta-device module, before its storage
+        is made (loader.build_model). A TP shard whose input starts inside a block of
+        scales that vary along the input (block layouts) is refused, naming the layer."""
+        if group < 16 or group & (group - 1):
+            raise WeightShapeError(f"{self.what}: FP8 weight blocks {group} columns wide: the FP8 GEMM needs a "
+                                   "power of two of at least 16")
+        if scale_varies_along_input and self.input_start % group:
+            raise WeightShapeError(
+                f"{self.what}: this TP rank's input columns start at {self.input_start}, inside a {group}-column "
+                f"block of the FP8 weight scales: --tp-size must split {self.what}'s input at multiples of {group}")
+        rows, cols = self.weight.shape
+        fp8 = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=self.weight.device),
+                           requires_grad=False)
+        attrs = dict(self.weight.__dict__)  # its weight_loader (swap_tensors swaps __dict__ too)
+        torch.utils.swap_tensors(self.weight, fp8)
+        self.weight.__dict__.update(attrs, keep_dtype=True)  # materialize keeps float8
+        self.weight_scale = nn.Parameter(torch.empty(rows, -(-cols // group), device=self.weight.device),
+                                         requires_grad=False)
+        self.weight_scale.keep_dtype = True  # type: ignore[attr-defined]  # fp32 whatever the model dtype
+        self.weight_scale.fp8_scale = True  # type: ignore[attr-defined]  # loaded with its weight
+        _attach_loader(self.weight_scale, self._scale_loader(self.weight_scale))
+        self.fp8_group = group
+
+    def _scale_loader(self, param: nn.Parameter) -> Callable[[torch.Tensor, object], None]:
+        raise NotImplementedError(f"{type(self).__name__} has no FP8 weight format")
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8_group:
+            from pdserve.model.fp8_gemm import fp8_linear  # Triton: imported only where weights are fp8
+
+            return fp8_linear(x, self.weight, self.weight_scale, self.fp8_group, bias)
         if (self._packed is not None and x.dtype == torch.float32 and x.device.type == "cpu"
                 and x.numel() > x.shape[-1]):  # one row: F.linear is faster
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
@@ -205,6 +246,10 @@ class ColumnParallelLinear(Linear):
             param.data[off: off + hi - lo].copy_(loaded[lo:hi])
         return load
 
+    def _scale_loader(self, param: nn.Parameter) -> Callable[[torch.Tensor, object], None]:
+        # The FP8 scales [rows, groups] have a row per weight row: sliced like the weight.
+        return self._loader(param)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
@@ -265,6 +310,8 @@ class RowParallelLinear(Linear):
         self.what = what
         self.reduce_results = reduce_results
         self.lo, self.hi = shard_range(in_features, tp.rank, tp.size, f"{what} input size")
+        self.input_start = self.lo
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, self.hi - self.lo))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
@@ -274,6 +321,16 @@ class RowParallelLinear(Linear):
         _attach_loader(self.weight, load_weight)
         if self.bias is not None:
             _attach_loader(self.bias, _full_loader(self.bias, f"{what} bias"))
+
+    def _scale_loader(self, param: nn.Parameter) -> Callable[[torch.Tensor, object], None]:
+        # [out, ceil(in / group)]: this rank's input columns start at a group boundary
+        # (keep_fp8 checks it where the scales vary along the input).
+        def load(loaded: torch.Tensor, shard: object = None) -> None:
+            group = self.fp8_group
+            _check_shape(loaded, (self.out_features, -(-self.in_features // group)), f"{self.what} weight scale")
+            first = self.lo // group
+            param.data.copy_(loaded[:, first:first + param.shape[1]])
+        return load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x, None)

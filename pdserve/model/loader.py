@@ -15,12 +15,22 @@ its shard, handed to its parameter's `weight_loader`, which copies this rank's s
 into the device parameter, casting on the way, and dropped before the next read).
 Host memory therefore holds about one checkpoint tensor, never a model copy, plus
 the pages of the one shard open (memory-mapped: file-backed, reclaimable).
+
+FP8 checkpoints (config.json ``quantization_config``, model_config.Fp8Config): every
+scale tensor is read first (small: 1/16384 of its weight's elements in 128x128
+blocks, 1/in per channel), so a weight finds its scale wherever the two are stored.
+An fp8 weight is then either dequantised on the host to fp32 and loaded as any other
+tensor (CPU, GPUs without FP8 tensor cores, layers without an FP8 path: embeddings,
+the LM head, MoE experts), or copied as it is, with its scales, into a layer that
+`keep_fp8` switched to the FP8 GEMM (CUDA with compute capability >= 8.9).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
+import logging
 import pickle
 import re
 import zlib
@@ -31,10 +41,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pdserve.model.fp8 import FP8_DTYPE, Fp8ScaleError, dequantize, gemm_scale
 from pdserve.model.kv_quant import is_kv_scale_name
-from pdserve.model.layers import LMHead, WeightShapeError
+from pdserve.model.layers import LMHead, Linear, WeightShapeError
+from pdserve.model.model_config import Fp8Config
 
 M = TypeVar("M", bound=nn.Module)
+logger = logging.getLogger(__name__)
 
 
 class WeightLoadError(ValueError):
@@ -140,7 +153,8 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(factory: Callable[[], M], model_dir: Path, device: torch.device | str, dtype: torch.dtype,
-                rename: Callable[[str], str | None] | None = None, random_weights: bool = False) -> M:
+                rename: Callable[[str], str | None] | None = None, random_weights: bool = False,
+                fp8_weights: bool | None = None) -> M:
     """``factory()`` constructed without storage, materialised on ``device`` with its
     floating-point parameters in ``dtype`` (others keep theirs: EAGLE3's int64 ``d2t``)
     and loaded from ``model_dir`` as `load_weights` does, with the same checks.
@@ -151,14 +165,26 @@ def build_model(factory: Callable[[], M], model_dir: Path, device: torch.device 
     come back frozen (``requires_grad`` False) and without their ``weight_loader``.
 
     ``random_weights`` (``--load-format dummy``) skips the checkpoint: seeded random
-    matrices, unit norms, zero biases; for benchmarks at a real model's shapes."""
+    matrices, unit norms, zero biases; for benchmarks at a real model's shapes.
+
+    An FP8 checkpoint's linears keep their fp8 weights (the FP8 GEMM) when
+    ``fp8_weights`` says so, by default where `fp8_gemm_available` (CUDA, compute
+    capability >= 8.9); otherwise every fp8 weight is dequantised to ``dtype``. True on
+    a CPU is for tests: the kernels then run under Triton's interpreter."""
+    device = torch.device(device)
     with torch.device("meta"):
         model = factory()
-    materialize(model, torch.device(device), dtype)
+    quant: Fp8Config | None = getattr(model.config, "quant", None)
+    scales: dict[str, torch.Tensor] = {}
+    if quant is not None and not random_weights:
+        scales = read_weight_scales(Path(model_dir), quant)
+        if rename is None and (fp8_available(device) if fp8_weights is None else fp8_weights):
+            keep_fp8_layers(model, quant, scales)
+    materialize(model, device, dtype)
     if random_weights:
         fill_random(model)
     else:
-        load_weights(model, Path(model_dir), rename=rename)
+        load_weights(model, Path(model_dir), rename=rename, scales=scales)
     for module in model.modules():
         if isinstance(module, LMHead):  # rows past the vocabulary (TP padding): never loaded
             module.weight.data[module.hi - module.lo:].zero_()
@@ -203,8 +229,10 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
         if not param.is_meta:
             raise TypeError(f"{type(model).__name__}.{name} was not constructed on the meta device "
                             f"(it is on {param.device}); construct parameters without an explicit device")
-        # ``keeps_dtype``: a parameter that must stay as constructed (fp32 router biases).
-        target = dtype if param.is_floating_point() and not getattr(param, "keeps_dtype", False) else param.dtype
+        # Others keep theirs: int64 ``d2t``, an FP8 layer's float8 weight and fp32 scales, and
+        # ``keep_dtype`` parameters that must stay as constructed (fp32 router biases).
+        keep = not param.is_floating_point() or getattr(param, "keep_dtype", False)
+        target = param.dtype if keep else dtype
         # Never trained here: with requires_grad, every forward outside inference mode
         # (a CUDA graph's capture) would record autograd state and keep it alive.
         storage = nn.Parameter(torch.empty(param.shape, dtype=target, device=device), requires_grad=False)
@@ -213,19 +241,40 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
         param.__dict__.update(attrs)
 
 
-def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str | None] | None = None) -> None:
-    """Load every parameter of `model`; raise listing missing and unexpected names.
+def fp8_available(device: torch.device) -> bool:
+    """Whether FP8 layers run on ``device``: the FP8 GEMM (Triton) needs float8 e4m3
+    tensor cores, CUDA compute capability >= 8.9 (Ada, Hopper and later)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
-    `rename` maps a checkpoint tensor name to the model's naming (None: skip the
-    tensor); draft heads use it for their layouts. The checkpoint is streamed: one
-    shard open at a time, each tensor read only if it is loaded, and released before
-    the next is read."""
-    params = dict(model.named_parameters())
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    # (our parameter name, shard) -> checkpoint name, for the missing-name report.
+
+def scale_name(weight_name: str, quant: Fp8Config) -> str:
+    """``x.weight`` -> ``x.weight_scale_inv`` (quant_method fp8) or ``x.weight_scale``."""
+    return weight_name.removesuffix("weight") + quant.scale_suffix
+
+
+def read_weight_scales(model_dir: Path, quant: Fp8Config) -> dict[str, torch.Tensor]:
+    """The checkpoint's FP8 weight scales by the stored name of their weight, from every
+    shard (a weight and its scale may be in different files, in either order)."""
+    suffix = "." + quant.scale_suffix
+    scales: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(model_dir):
+        with open_shard(path) as f:
+            for name in f.keys():
+                if name.endswith(suffix):
+                    scales[name.removesuffix(quant.scale_suffix) + "weight"] = f.get_tensor(name)
+    return scales
+
+
+def _expected_names(model: nn.Module, tied: bool) -> dict[tuple[str, object], str]:
+    """(our parameter name, shard) -> the checkpoint tensor that fills it (FP8 scales
+    excepted: they are loaded with their weight)."""
     expected: dict[tuple[str, object], str] = {}
-    for name in params:
-        if tied and name == "lm_head.weight":
+    for name, param in model.named_parameters():
+        if (tied and name == "lm_head.weight") or getattr(param, "fp8_scale", False):
             continue
         shards = [(theirs, shard) for ours, theirs, shard in model.stacked_params if f".{ours}." in name]
         for theirs, shard in shards:
@@ -233,8 +282,50 @@ def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str 
             expected[(name, shard)] = name.replace(f".{ours}.", f".{theirs}.")
         if not shards:
             expected[(name, None)] = name
+    return expected
+
+
+def keep_fp8_layers(model: nn.Module, quant: Fp8Config, scales: dict[str, torch.Tensor]) -> None:
+    """Switch to fp8 weights (Linear.keep_fp8) each linear of the meta-device ``model``
+    whose every checkpoint part is stored in fp8 (has a scale). The LM head and
+    embeddings keep float weights: checkpoints leave them unquantised."""
+    group = quant.group
+    if group < 16 or group & (group - 1):
+        logger.warning("FP8 weight blocks %d columns wide: the FP8 GEMM needs a power of two of at least 16; "
+                       "the fp8 weights are dequantised instead", group)
+        return
+    parts: dict[str, list[str]] = {}
+    for (name, _), ckpt in _expected_names(model, tied=False).items():
+        parts.setdefault(name, []).append(ckpt)
+    for module_name, module in model.named_modules():
+        if not isinstance(module, Linear) or isinstance(module, LMHead):
+            continue
+        ckpt_names = parts.get(f"{module_name}.weight", [])
+        if ckpt_names and all(n in scales for n in ckpt_names):
+            module.keep_fp8(group, scale_varies_along_input=quant.strategy == "block")
+
+
+def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str | None] | None = None,
+                 scales: dict[str, torch.Tensor] | None = None) -> None:
+    """Load every parameter of `model`; raise listing missing and unexpected names.
+
+    `rename` maps a checkpoint tensor name to the model's naming (None: skip the
+    tensor); draft heads use it for their layouts. The checkpoint is streamed: one
+    shard open at a time, each tensor read only if it is loaded, and released before
+    the next is read. An FP8 checkpoint's scales (`read_weight_scales`, read here
+    unless given) go with their weights: into the layer's scales where it kept fp8
+    weights, else into the dequantisation of the weight."""
+    params = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    quant: Fp8Config | None = getattr(model.config, "quant", None)
+    if quant is not None and scales is None:
+        scales = read_weight_scales(model_dir, quant)
+    scales = dict(scales or {})  # what is left at the end belongs to no loaded weight
+    # (our parameter name, shard) -> checkpoint name, for the missing-name report.
+    expected = _expected_names(model, tied)
     seen: set[tuple[str, object]] = set()
     unexpected: list[str] = []
+    stats = _Fp8Stats()
     for path in checkpoint_files(model_dir):
         with open_shard(path) as f:
             for stored_name in f.keys():
@@ -244,6 +335,8 @@ def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str 
                 # Layers stored but not built (GLM-4.5's NextN layer: CausalLM.ignored_prefixes).
                 if ckpt_name.startswith(getattr(model, "ignored_prefixes", ())):
                     continue
+                if quant is not None and ckpt_name.endswith("." + quant.scale_suffix):
+                    continue  # read by read_weight_scales, loaded with its weight
                 # KV-cache scales are no weights: the runner reads them (model/kv_quant.py) when
                 # the KV pool is fp8. A model that does not say it reads them refuses them below.
                 if getattr(model, "reads_kv_scales", False) and is_kv_scale_name(ckpt_name):
@@ -259,14 +352,26 @@ def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str 
                     unexpected.append(ckpt_name)
                     continue
                 tensor = f.get_tensor(stored_name)  # the only checkpoint tensor on the host
+                scale = scales.pop(stored_name, None)
                 try:
-                    param.weight_loader(tensor, shard)  # type: ignore[attr-defined]
-                except WeightShapeError as exc:
+                    if scale is None and tensor.dtype.itemsize == 1 and tensor.is_floating_point():
+                        raise WeightLoadError(
+                            f"{model_dir}: {stored_name} is stored as {tensor.dtype}, but "
+                            + (f"the checkpoint has no {scale_name(stored_name, quant)}" if quant is not None
+                               else "config.json has no quantization_config saying how to dequantise it"))
+                    if scale is not None:
+                        assert quant is not None
+                        tensor = _load_fp8(model_dir, stored_name, tensor, scale, quant, params, target, shard,
+                                           stats)
+                    if tensor is not None:
+                        param.weight_loader(tensor, shard)  # type: ignore[attr-defined]
+                except (WeightShapeError, Fp8ScaleError) as exc:
                     raise WeightShapeError(f"{model_dir}: {ckpt_name}: {exc}") from None
                 seen.add((target, shard))
                 if tied and ckpt_name == "model.embed_tokens.weight":
                     params["lm_head.weight"].weight_loader(tensor, None)  # type: ignore[attr-defined]
                 del tensor
+    unexpected += [scale_name(name, quant) for name in scales if quant is not None]
     missing = sorted(v for k, v in expected.items() if k not in seen)
     if missing or unexpected:
         lines = [f"{model_dir}: checkpoint does not match {type(model).__name__}"]
@@ -277,6 +382,55 @@ def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str 
             lines.append(f"  unexpected tensors ({len(unexpected)}): {', '.join(sorted(unexpected)[:20])}"
                          + (" ..." if len(unexpected) > 20 else ""))
         raise WeightLoadError("\n".join(lines))
+    if quant is not None:
+        stats.log(model_dir, quant, params)
+
+
+class _Fp8Stats:
+    """What an FP8 checkpoint's load read and left resident (the log line)."""
+
+    def __init__(self) -> None:
+        self.read_bytes = 0                       # fp8 weights + their scales, as stored
+        self.dequantised: dict[str, nn.Parameter] = {}
+        self.kept: dict[str, nn.Parameter] = {}   # fp8 weights and their scales
+
+    def log(self, model_dir: Path, quant: Fp8Config, params: dict[str, nn.Parameter]) -> None:
+        mib = 1 << 20
+        deq = sum(p.nbytes for p in self.dequantised.values())
+        kept = sum(p.nbytes for p in self.kept.values())
+        dtype = next(iter(self.dequantised.values())).dtype if self.dequantised else None
+        logger.info("%s: FP8 checkpoint (%s, %s scales): read %.2f MiB of fp8 weights and scales; "
+                    "resident on this rank: %.2f MiB dequantised to %s (%d parameters), %.2f MiB kept in fp8 "
+                    "with scales (%d parameters)", model_dir.name, quant.method, quant.strategy,
+                    self.read_bytes / mib, deq / mib, dtype, len(self.dequantised), kept / mib, len(self.kept))
+
+
+def _load_fp8(model_dir: Path, stored_name: str, weight: torch.Tensor, scale: torch.Tensor, quant: Fp8Config,
+              params: dict[str, nn.Parameter], target: str, shard: object, stats: _Fp8Stats) -> torch.Tensor | None:
+    """An fp8 weight and its scale: loaded as they are into a layer that kept fp8 weights
+    (None returned: nothing left to load), else dequantised to fp32 (returned)."""
+    if weight.dtype != FP8_DTYPE:
+        raise WeightLoadError(f"{model_dir}: {stored_name} has a scale ({scale_name(stored_name, quant)}) but "
+                              f"is stored as {weight.dtype}, not float8_e4m3fn")
+    module = stored_name.removesuffix(".weight")
+    if quant.ignores(module):
+        raise WeightLoadError(f"{model_dir}: {stored_name} is stored in fp8, but quantization_config's ignore "
+                              f"list {list(quant.ignore)} names {module} as not quantised")
+    if weight.dim() != 2:
+        raise WeightLoadError(f"{model_dir}: {stored_name}: an fp8 weight must be a matrix, got shape "
+                              f"{tuple(weight.shape)}")
+    stats.read_bytes += weight.nbytes + scale.nbytes
+    param = params[target]
+    if param.dtype == FP8_DTYPE:
+        scale_param = target.removesuffix("weight") + "weight_scale"
+        param.weight_loader(weight, shard)  # type: ignore[attr-defined]
+        params[scale_param].weight_loader(  # type: ignore[attr-defined]
+            gemm_scale(scale, tuple(weight.shape), quant, scale_name(stored_name, quant)), shard)
+        stats.kept[target] = param
+        stats.kept[scale_param] = params[scale_param]
+        return None
+    stats.dequantised[target] = param
+    return dequantize(weight, scale, quant, scale_name(stored_name, quant))
 
 
 def _map_name(model: nn.Module, ckpt_name: str) -> tuple[str, object]:

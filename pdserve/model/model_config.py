@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -78,6 +79,51 @@ class MoeConfig:
         return layer_id in self.sparse_layers
 
 
+# What a quantised checkpoint's float8 weights are (and the only element type accepted).
+FP8_FORMAT = "e4m3"
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """A checkpoint of float8_e4m3fn weights with fp32 dequantisation scales, read from
+    config.json ``quantization_config``:
+
+    - ``quant_method: fp8`` (DeepSeek-V3, Qwen3-*-FP8): ``<name>.weight_scale_inv`` of shape
+      [ceil(out / block_n), ceil(in / block_k)], one scale per ``weight_block_size`` block;
+    - ``quant_method: compressed-tensors``, format float-quantized (llm-compressor, GLM-4.5
+      FP8): ``<name>.weight_scale``, per output channel [out, 1] (``strategy: channel``),
+      one scalar (``tensor``) or per block (``block``, ``block_structure``).
+
+    Either way W = W_fp8 * scale broadcast over its block. Which weights are fp8 is what
+    the checkpoint stores (a weight with a scale tensor); ``ignore`` (compressed-tensors
+    ``ignore``, fp8's ``modules_to_not_convert``) names modules that must not be fp8."""
+    method: str                     # "fp8" | "compressed-tensors"
+    strategy: str                   # "block" | "channel" | "tensor"
+    block: tuple[int, int] | None   # (block_n, block_k) rows x columns per scale (block only)
+    scale_suffix: str               # "weight_scale_inv" | "weight_scale"
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def group(self) -> int:
+        """Input columns per scale in the FP8 GEMM (model/fp8_gemm.py): the weight block's
+        width, else DeepSeek's 128. Activations are quantised per token per ``group``."""
+        return self.block[1] if self.block is not None else 128
+
+    def ignores(self, module: str) -> bool:
+        """Whether the quantization config keeps ``module`` (a checkpoint module name,
+        e.g. ``lm_head``) out of fp8: compressed-tensors matches a name exactly or, with a
+        ``re:`` prefix, as a regex from its start; transformers' ``modules_to_not_convert``
+        matches a prefix ending at a module boundary, a regex of one, or a suffix."""
+        for pattern in self.ignore:
+            if self.method == "compressed-tensors":
+                if (re.match(pattern[3:], module) is not None if pattern.startswith("re:")
+                        else pattern == module):
+                    return True
+            elif re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(pattern):
+                return True
+        return False
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -105,6 +151,7 @@ class ModelConfig:
     # model.layers.{num_layers + i}.* (GLM-4.5): not part of the target model; their
     # tensors are skipped when it loads.
     nextn_layers: int = 0
+    quant: Fp8Config | None = None  # an FP8 checkpoint (None: weights in a float dtype)
 
     @property
     def context_limit(self) -> int:
@@ -176,6 +223,7 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             moe=moe,
             nextn_layers=nextn,
+            quant=quant_config(raw),
         )
 
 
@@ -344,3 +392,131 @@ def _check_routing(routing: MoeRouting, num_experts: int, top_k: int, fail: MoeF
     if top_k > keep * (num_experts // groups):
         raise fail(f"num_experts_per_tok {top_k} exceeds the {keep * (num_experts // groups)} experts of the "
                    f"topk_group {keep} groups routing keeps")
+
+
+def _quant_error(key: str, value: object, supported: str) -> ModelConfigError:
+    return ModelConfigError(f"quantization_config.{key}={value!r} is not supported (supported: {supported})")
+
+
+def quant_config(raw: dict[str, Any]) -> Fp8Config | None:
+    """The checkpoint's weight quantization: None for plain weights, an Fp8Config for
+    the FP8 layouts pdserve loads; anything else is refused naming the key and value
+    (loading such weights as floats would compute garbage)."""
+    if raw.get("compression_config") is not None:  # compressed-tensors' name before transformers 4.45
+        raise ModelConfigError("compression_config is not supported: pdserve reads quantization_config "
+                               "(quant_method fp8 or compressed-tensors)")
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ModelConfigError(f"quantization_config must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method == "fp8":
+        return _fp8_block_config(q)
+    if method == "compressed-tensors":
+        return _compressed_tensors_config(q)
+    raise _quant_error("quant_method", method, "'fp8' (block-scaled float8 e4m3, weight_scale_inv), "
+                       "'compressed-tensors' (float8 e4m3 weights, weight_scale)")
+
+
+def _block_size(key: str, value: object) -> tuple[int, int]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise _quant_error(key, value, "two positive integers [rows, columns], e.g. [128, 128]")
+    return int(value[0]), int(value[1])
+
+
+def _patterns(key: str, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _quant_error(key, value, "a list of module names")
+    return tuple(value)
+
+
+# quant_method fp8 (transformers' FineGrainedFP8Config as DeepSeek-V3 and Qwen3-FP8 write it).
+_FP8_KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
+             "ignored_layers", "scale_fmt"}
+
+
+def _fp8_block_config(q: dict[str, Any]) -> Fp8Config:
+    unknown = sorted(set(q) - _FP8_KEYS)
+    if unknown:
+        raise ModelConfigError(f"quantization_config (quant_method fp8): unknown key(s) {unknown} "
+                               f"(understood: {sorted(_FP8_KEYS)})")
+    if q.get("fmt", FP8_FORMAT) != FP8_FORMAT:
+        raise _quant_error("fmt", q["fmt"], f"{FP8_FORMAT!r} (float8_e4m3fn weights)")
+    if str(q.get("activation_scheme", "dynamic")).lower() != "dynamic":
+        raise _quant_error("activation_scheme", q["activation_scheme"],
+                           "'dynamic' (activations quantised per token group at run time; static "
+                           "activation scales are not implemented)")
+    if q.get("scale_fmt", "float") != "float":
+        raise _quant_error("scale_fmt", q["scale_fmt"], "'float' (fp32 weight_scale_inv)")
+    block = _block_size("weight_block_size", q.get("weight_block_size"))
+    ignore = _patterns("modules_to_not_convert", q.get("modules_to_not_convert"))
+    ignore += _patterns("ignored_layers", q.get("ignored_layers"))
+    return Fp8Config(method="fp8", strategy="block", block=block, scale_suffix="weight_scale_inv", ignore=ignore)
+
+
+# compressed-tensors formats whose fp8 weights are stored as float8_e4m3fn tensors with a
+# weight_scale next to them (naive-quantized is the same layout under an older name).
+_CT_FORMATS = ("float-quantized", "naive-quantized")
+_CT_STRATEGIES = ("channel", "tensor", "block")
+
+
+def _compressed_tensors_config(q: dict[str, Any]) -> Fp8Config:
+    fmt = q.get("format")
+    if fmt not in _CT_FORMATS:
+        raise _quant_error("format", fmt, " or ".join(map(repr, _CT_FORMATS)) + " (float8 weights)")
+    sparsity = q.get("sparsity_config")
+    if sparsity and (not isinstance(sparsity, dict) or sparsity.get("format", "dense") != "dense"):
+        raise _quant_error("sparsity_config", sparsity, "none (dense weights)")
+    if q.get("transform_config"):
+        raise _quant_error("transform_config", q["transform_config"], "none (no rotations)")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _quant_error("config_groups", groups, "one or more groups of float8 weights")
+    schemes = {name: _ct_weight_scheme(name, group, fmt) for name, group in groups.items()}
+    if len(set(schemes.values())) > 1:
+        raise ModelConfigError(f"quantization_config.config_groups quantise weights differently "
+                               f"({schemes}): mixed schemes are not supported")
+    strategy, block = next(iter(schemes.values()))
+    return Fp8Config(method="compressed-tensors", strategy=strategy, block=block, scale_suffix="weight_scale",
+                     ignore=_patterns("ignore", q.get("ignore")))
+
+
+def _ct_weight_scheme(name: str, group: Any, top_format: str) -> tuple[str, tuple[int, int] | None]:
+    where = f"config_groups.{name}"
+    if not isinstance(group, dict):
+        raise _quant_error(where, group, "an object with weights, input_activations, targets")
+    if group.get("format", top_format) not in _CT_FORMATS:
+        raise _quant_error(f"{where}.format", group["format"], " or ".join(map(repr, _CT_FORMATS)))
+    if group.get("output_activations") is not None:
+        raise _quant_error(f"{where}.output_activations", group["output_activations"], "null")
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise _quant_error(f"{where}.weights", weights, "float8 weight arguments")
+    w = f"{where}.weights"
+    if weights.get("type") != "float":
+        raise _quant_error(f"{w}.type", weights.get("type"), "'float' (int weights are not implemented)")
+    if weights.get("num_bits") != 8:
+        raise _quant_error(f"{w}.num_bits", weights.get("num_bits"), "8 (float8 e4m3)")
+    if weights.get("symmetric", True) is not True:
+        raise _quant_error(f"{w}.symmetric", weights["symmetric"], "true (no zero points)")
+    if weights.get("dynamic", False) is not False:
+        raise _quant_error(f"{w}.dynamic", weights["dynamic"], "false (stored weight scales)")
+    if weights.get("actorder") is not None:
+        raise _quant_error(f"{w}.actorder", weights["actorder"], "null")
+    strategy = weights.get("strategy")
+    if strategy not in _CT_STRATEGIES:
+        raise _quant_error(f"{w}.strategy", strategy, ", ".join(map(repr, _CT_STRATEGIES)))
+    block = _block_size(f"{w}.block_structure", weights.get("block_structure")) if strategy == "block" else None
+    acts = group.get("input_activations")
+    if acts is not None:
+        a = f"{where}.input_activations"
+        if not isinstance(acts, dict) or acts.get("type") != "float" or acts.get("num_bits") != 8:
+            raise _quant_error(a, acts, "float8 (type float, num_bits 8) or null")
+        if acts.get("dynamic") is not True:
+            raise _quant_error(f"{a}.dynamic", acts.get("dynamic"),
+                               "true (static activation scales (input_scale) are not implemented)")
+    return strategy, block

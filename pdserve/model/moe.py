@@ -151,7 +151,7 @@ class Router(nn.Module):
             # fp32 whatever the model's dtype (as transformers keeps it): it decides between
             # experts whose scores may differ by less than a bf16 step.
             bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
-            bias.keeps_dtype = True  # type: ignore[attr-defined]  # read by loader.materialize
+            bias.keep_dtype = True  # type: ignore[attr-defined]  # read by loader.materialize
             _attach_loader(bias, _full_loader(bias, "router e_score_correction_bias"))
             self.e_score_correction_bias = bias
 
