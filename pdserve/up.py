@@ -3,8 +3,14 @@
     pdserve up                                   # 1 prefill + 1 decode + router, demo model
     pdserve up --prefill 2 --decode 2 --speculative-algorithm EAGLE
     pdserve up --disaggregation-mode null        # one colocated server
-    pdserve up --model-path DIR --port 8000 --page-size 16   # unknown flags go to every server
+    pdserve up --model-path DIR --port 8000 --page-size 16   # server flags go to every server
     pdserve up --api-key KEY --admin-api-key ADMIN_KEY       # the router and every server
+    pdserve up --base-port 30000                 # router 30000, prefill 30001 (+ bootstrap 30002), decode 30003
+
+Flags (its own and the servers') may be unique prefixes, as SGLang's parser takes them.
+Before anything starts, the whole command line is checked (every bad flag reported at
+once, each server's command line as the server would check it), and so are Mooncake's
+transfer engine and the pinned ports.
 
 It starts the servers (free ports picked at run time, bootstrap ports too), waits
 until each answers `/health`, starts the router in front of them, prints the URL and
