@@ -94,8 +94,9 @@ class FlagParser(argparse.ArgumentParser):
         ``forwarded``, with their values and in order, for it to parse; without, anything
         left over is a problem. The namespace is None when argparse itself stopped (a
         flag missing its value)."""
-        known: dict[str, object] = dict(forward_to._flag_actions) if forward_to is not None else {}
-        known.update(self._flag_actions)  # a flag both take is this parser's
+        known: dict[str, object] = dict(self._flag_actions)  # a flag both take is this parser's
+        if forward_to is not None:
+            known.update((k, v) for k, v in forward_to._flag_actions.items() if k not in known)
         argv, problems = expand_prefixes(argv, known)
         try:
             ns, extras = self.parse_known_args(argv)
@@ -176,7 +177,8 @@ def expand_prefixes(argv: Sequence[str], known: dict[str, object]) -> tuple[list
             out.append(matches[0] + eq + value)
             continue
         if matches:
-            problems.append(f"ambiguous option: {name} could match {', '.join(matches)}")
+            more = f" and {len(matches) - 6} more" if len(matches) > 6 else ""
+            problems.append(f"ambiguous option: {name} could match {', '.join(matches[:6])}{more}")
         else:
             problems.append(f"{name}: unknown flag{did_you_mean(name, known)}")
         skipping = True

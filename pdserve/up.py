@@ -189,12 +189,12 @@ class PortPlan:
     prefill server's HTTP and bootstrap ports, each decode server's HTTP port. None: picked
     free at run time."""
     deployment: int
+    deployment_is: str  # "the router", or "the server" (--disaggregation-mode null)
     prefill: tuple[tuple[int, int], ...] | None
     decode: tuple[int, ...] | None
 
     def named(self) -> list[tuple[str, int]]:
-        out = [("the router" if self.prefill is not None or self.decode is not None else "the deployment",
-                self.deployment)]
+        out = [(self.deployment_is, self.deployment)]
         for i, (http, boot) in enumerate(self.prefill or ()):
             out += [(f"prefill-{i}'s HTTP port", http), (f"prefill-{i}'s bootstrap port", boot)]
         out += [(f"decode-{i}'s HTTP port", http) for i, http in enumerate(self.decode or ())]
@@ -204,10 +204,11 @@ class PortPlan:
 def port_plan(args: UpArgs) -> PortPlan:
     """--base-port N: the router (or the colocated server) on N, then prefill i on N+1+2i
     (bootstrap N+2+2i), then decode j on N+1+2P+j. Without it: --port, the rest free."""
+    front = "the server" if args.mode == "null" else "the router"
     if args.base_port is None or args.mode == "null":
-        return PortPlan(args.port, None, None)
+        return PortPlan(args.port, front, None, None)
     n, p = args.base_port, args.num_prefill
-    return PortPlan(n, tuple((n + 1 + 2 * i, n + 2 + 2 * i) for i in range(p)),
+    return PortPlan(n, front, tuple((n + 1 + 2 * i, n + 2 + 2 * i) for i in range(p)),
                     tuple(n + 1 + 2 * p + j for j in range(args.num_decode)))
 
 
