@@ -103,7 +103,7 @@ class FlagParser(argparse.ArgumentParser):
         except self._error_class as exc:
             return None, [], problems + [_argparse_message(str(exc))]
         if forward_to is None and extras:
-            problems += [f"{extra!r}: unexpected argument (a value without its flag?)" for extra in extras]
+            problems += [_stray(extra, self._flag_actions) for extra in extras]
             extras = []
         for action in self._actions:
             for bad in _bad_values(getattr(ns, action.dest, None)):
@@ -123,6 +123,15 @@ def is_bad(value: Any) -> bool:
     """Whether a namespace value is one the flag's type or choices refused (reported
     among the problems); checks of parsed values skip those."""
     return bool(_bad_values(value))
+
+
+def _stray(token: str, known: Collection[str]) -> str:
+    if token.startswith("-") and not _NUMBER.match(token):  # -x: a short flag nobody defines
+        return f"{token}: unknown flag{did_you_mean('-' + token.lstrip('-'), known)}"
+    return f"{token!r}: unexpected argument (a value without its flag?)"
+
+
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
 def _bad_values(value: Any) -> list[_BadValue]:

@@ -257,11 +257,14 @@ def transfer_engine_problem(server_args: Sequence[str], env: dict[str, str]) -> 
     ns, _ = ap.parse_known_args(list(server_args))
     if ns.disaggregation_transfer_backend != "mooncake":
         return None  # refused by the servers' own checks (nixl) before they load anything
-    probe = subprocess.run([sys.executable, "-c", "import mooncake.engine"], env={**env, "MC_LOG_LEVEL": "ERROR"},
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import mooncake.engine"], capture_output=True, text=True,
+                               env={**env, "MC_LOG_LEVEL": "ERROR"}, timeout=60)
         lines = [x.strip() for x in probe.stderr.splitlines() if x.strip()]
-        error = lines[-1] if lines else f"exit status {probe.returncode}"
+        error = None if probe.returncode == 0 else lines[-1] if lines else f"exit status {probe.returncode}"
+    except subprocess.TimeoutExpired:
+        error = "its import did not finish in 60 s"
+    if error is not None:
         fix = ("apt-get install libibverbs1 (Mooncake links against it, even over TCP)" if "ibverbs" in error
                else "pip install -e '.[pd]' (Mooncake's CPU build; mooncake-transfer-engine on a CUDA machine), "
                     "and apt-get install libibverbs1")

@@ -58,7 +58,8 @@ def test_up_takes_prefixes_and_the_servers_draft_rule(tmp_path):
     args = parse_args(["--speculative-algo", "EAGLE3", "--pref", "2", "--page", "16", "--max-n", "4",
                        "--log-level=debug", "--disaggregation-mode", "pd"])
     assert (args.speculative_algorithm, args.num_prefill, args.mode) == ("EAGLE3", 2, "pd")
-    assert args.server_args[:6] == ("--page-size", "16", "--max-n", "4", "--log-level=debug")[:6]
+    forwarded = ("--page-size", "16", "--max-n", "4", "--log-level=debug")  # then, on a GPU, its share
+    assert args.server_args[:len(forwarded)] == forwarded
     assert args.router_args == ("--max-n", "4", "--log-level", "debug")
     # The demo model's own head, as `pdserve serve` picks it (one rule, in ServerArgs).
     assert args.speculative_draft_model_path == \
