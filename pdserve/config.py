@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
@@ -16,8 +17,9 @@ import torch
 
 from pdserve.config_checks import (ATTENTION_BACKENDS, DEVICES, DISAGGREGATION_MODES, DTYPES,  # noqa: F401
                                    KV_CACHE_DTYPES, LOAD_FORMATS, PATH_FIELDS, SCHEDULE_POLICIES,
-                                   SPECULATIVE_ALGORITHMS, STAGING_MODES, TRANSFER_BACKENDS, ConfigError, flag,
-                                   parse_host_port, validate)
+                                   SPECULATIVE_ALGORITHMS, STAGING_MODES, TRANSFER_BACKENDS, ConfigError,
+                                   default_draft_model_path, flag, parse_host_port, validate)
+from pdserve.flags import FlagParser
 from pdserve.model import attention_backends
 from pdserve.server.reasoning import REASONING_PARSERS
 from pdserve.server.tool_calls import TOOL_CALL_PARSERS
@@ -177,6 +179,14 @@ class ServerArgs:
         for f in fields(self):
             if str(f.type) == "tuple[str, ...]" and isinstance(getattr(self, f.name), list):
                 object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
+        # The draft when none is given (config_checks.default_draft_model_path: the demo
+        # model's heads, else a refusal saying why); a model path that is no directory, or an
+        # unknown algorithm, is left to validation to name.
+        if (self.speculative_algorithm in SPECULATIVE_ALGORITHMS and self.speculative_draft_model_path is None
+                and (self.model_path is None
+                     or (isinstance(self.model_path, str) and os.path.isdir(self.model_path)))):
+            object.__setattr__(self, "speculative_draft_model_path",
+                               default_draft_model_path(self.model_path, self.speculative_algorithm))
 
     # ---- validation (pdserve/config_checks.py) -------------------------------------
     def _validate(self) -> None:
@@ -274,12 +284,19 @@ class ServerArgs:
             parser.add_argument(flag(f.name), **kwargs)
 
     @classmethod
-    def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
-        parser = _RaisingParser(prog="pdserve", description="pdserve server options")  # prefixes: as SGLang
+    def cli_parser(cls, prog: str = "pdserve serve", description: str | None = "Start a pdserve server.",
+                   **kwargs: Any) -> FlagParser:
+        """The server flags' parser: unique prefixes accepted (as SGLang's parser), every bad
+        flag and value reported together as one ConfigError (pdserve/flags.py)."""
+        parser = FlagParser(prog=prog, description=description, error_class=ConfigError, **kwargs)
         cls.add_cli_args(parser)
+        return parser
+
+    @classmethod
+    def from_cli(cls, argv: Sequence[str] | None = None) -> "ServerArgs":
+        argv = sys.argv[1:] if argv is None else argv
         # Paths may come as os.PathLike (argparse itself only handles str).
-        ns = parser.parse_args([os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv]
-                               if argv is not None else None)
+        ns = cls.cli_parser().parse_or_raise([os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv])
         return cls.from_namespace(ns)
 
     @classmethod
@@ -290,11 +307,17 @@ class ServerArgs:
 
 
 def _int_or_none(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
+    try:
+        return None if text.lower() == "none" else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (an integer, or none)") from None
 
 
 def _float_or_none(text: str) -> float | None:
-    return None if text.lower() == "none" else float(text)
+    try:
+        return None if text.lower() == "none" else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r} (a number, or none)") from None
 
 
 _FIELD_PARSERS = {
@@ -312,8 +335,3 @@ _FIELD_CHOICES = {
     "reasoning_parser": tuple(REASONING_PARSERS),
     "tool_call_parser": tuple(TOOL_CALL_PARSERS),
 }
-class _RaisingParser(argparse.ArgumentParser):
-    """argparse exits the process on error; callers of from_cli want an exception."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)

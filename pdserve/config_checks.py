@@ -6,6 +6,7 @@ from the registries (attention backends, transfer engines, parsers)."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
@@ -249,11 +250,8 @@ def _check_speculative(args: "ServerArgs", bad: Any) -> None:
     if args.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
         raise bad("speculative_algorithm", f"invalid choice {args.speculative_algorithm!r} "
                   f"(choose from {', '.join(SPECULATIVE_ALGORITHMS)})")
-    if args.speculative_draft_model_path is None:
-        raise bad("speculative_draft_model_path", f"is required with {flag('speculative_algorithm')} "
-                  f"{args.speculative_algorithm}: pdserve does not draft with a checkpoint's own multi-token-"
-                  "prediction (NextN) layers yet, as SGLang does for GLM-4.5 and DeepSeek-V3; give an EAGLE "
-                  "or EAGLE3 head")
+    if args.speculative_draft_model_path is None:  # default_draft_model_path found none: say why
+        default_draft_model_path(args.model_path, args.speculative_algorithm)
     if not os.path.isdir(args.speculative_draft_model_path):
         raise bad("speculative_draft_model_path", f"{args.speculative_draft_model_path!r} is not a directory")
     if any(v is None for v in shape) and any(v is not None for v in shape):
@@ -277,6 +275,63 @@ def _check_speculative(args: "ServerArgs", bad: Any) -> None:
         raise bad("attention_backend", f"{args.resolved_attention_backend()} cannot run the "
                   f"{args.speculative_algorithm} draft; use "
                   + " or ".join(attention_backends.backends_supporting("supports_draft_tree")))
+
+
+# The draft heads shipped with the embedded demo model (pdserve/assets), by algorithm.
+DEMO_DRAFTS = {"EAGLE": "demo-eagle", "EAGLE3": "demo-eagle3"}
+
+
+def default_draft_model_path(model_path: str | None, algorithm: str) -> str:
+    """The draft of ``--speculative-algorithm ALGORITHM`` without --speculative-draft-model-path.
+    One rule for every entry point (``ServerArgs`` applies it: `pdserve serve`, `pdserve up`,
+    `pdserve.generate` and ``Engine`` agree):
+
+    1. the checkpoint's own multi-token-prediction layers (``num_nextn_predict_layers`` in
+       its config), which SGLang drafts with for GLM-4.5 and DeepSeek-V3: pdserve does not
+       yet, and says so;
+    2. else a draft shipped with the model: the embedded demo model's EAGLE / EAGLE3 heads;
+    3. else a ConfigError naming --speculative-draft-model-path.
+    """
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"{flag('speculative_draft_model_path')}: is required with "
+                           f"{flag('speculative_algorithm')} {algorithm}: {why}")
+
+    nextn = _nextn_layers(model_path)
+    if nextn:
+        raise refuse(f"pdserve does not draft with a checkpoint's own multi-token-prediction (NextN) layers "
+                     f"yet, as SGLang does for GLM-4.5 and DeepSeek-V3 ({model_path} has "
+                     f"num_nextn_predict_layers = {nextn}); give an EAGLE or EAGLE3 head")
+    demo = _demo_asset("demo")
+    if demo is not None and (model_path is None or os.path.realpath(model_path) == os.path.realpath(demo)):
+        head = _demo_asset(DEMO_DRAFTS[algorithm])
+        if head is not None:
+            return head
+    raise refuse(f"{model_path or 'the model'} ships no draft head (only the embedded demo model does) and has no "
+                 "multi-token-prediction layers (num_nextn_predict_layers); give an EAGLE or EAGLE3 head")
+
+
+def _nextn_layers(model_path: str | None) -> int:
+    """The checkpoint's ``num_nextn_predict_layers`` (0 when absent or unreadable: the
+    model's own checks refuse an unreadable config)."""
+    if model_path is None:
+        return 0
+    try:
+        with open(os.path.join(model_path, "config.json")) as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(config, dict):
+        return 0
+    value = config.get("num_nextn_predict_layers", (config.get("text_config") or {}).get("num_nextn_predict_layers"))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _demo_asset(name: str) -> str | None:
+    try:
+        from pdserve import assets
+        return str(assets.path(name))
+    except (ImportError, FileNotFoundError):
+        return None
 
 
 _TYPE_CHECKS: dict[str, tuple[type, ...]] = {

@@ -12,23 +12,29 @@ import json
 import sys
 
 from pdserve.config import ConfigError, ServerArgs
+from pdserve.flags import error_lines, raise_problems
+
+PROG = "python -m pdserve.generate"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    ServerArgs.add_cli_args(parser)
-    parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    parser = ServerArgs.cli_parser(PROG, __doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", action="append", help="required; repeat for a batch")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--json", action="store_true", help="print the full result dicts")
-    ns = parser.parse_args(argv)
     try:
+        ns, _, problems = parser.parse_collecting(sys.argv[1:] if argv is None else argv)
+        if ns is not None and not ns.prompt:  # checked here, not by argparse: reported with the rest
+            problems.append("--prompt: required (repeat it for a batch)")
+        raise_problems(problems, ConfigError)
+        assert ns is not None
         args = ServerArgs.from_namespace(ns)
     except ConfigError as exc:
-        parser.error(str(exc))
+        sys.stderr.write(error_lines(PROG, exc))
+        return 2
     from pdserve.engine import Engine
 
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p,

@@ -3,11 +3,11 @@ starts a whole local deployment, see pdserve/up.py)."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
 from pdserve.config import ConfigError, ServerArgs
+from pdserve.flags import error_lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,15 +18,13 @@ def main(argv: list[str] | None = None) -> int:
         return up(argv[1:])
     if argv and argv[0] == "serve":  # the `pdserve serve ...` console script
         argv = argv[1:]
-    # Unique prefixes are accepted (argparse's default), as SGLang's launcher does: its
-    # users type `--speculative-algo EAGLE`.
-    parser = argparse.ArgumentParser(prog="pdserve serve", description="Start a pdserve server.")
-    ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(argv)
+    # Unique prefixes are accepted, as SGLang's launcher does (its users type
+    # `--speculative-algo EAGLE`); every bad flag is reported at once, without the usage.
     try:
-        args = ServerArgs.from_namespace(ns)
+        args = ServerArgs.from_namespace(ServerArgs.cli_parser("pdserve serve").parse_or_raise(argv))
     except ConfigError as exc:
-        parser.error(str(exc))
+        sys.stderr.write(error_lines("pdserve serve", exc))
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     from pdserve.server.launch import launch
 

@@ -27,7 +27,9 @@ def model(tmp_path_factory):
     from pdserve.testing import build_random_draft, build_random_model
 
     root = tmp_path_factory.mktemp("seed_lines")
-    target = build_random_model(root / "t", "llama", num_layers=2, num_heads=4, num_kv_heads=4)
+    # GLM-4.5-Air's checkpoint carries one multi-token-prediction layer, as its config says.
+    target = build_random_model(root / "t", "llama", num_layers=2, num_heads=4, num_kv_heads=4,
+                                num_nextn_predict_layers=1)
     return target, build_random_draft(target, root / "e", "EAGLE")
 
 
@@ -48,7 +50,8 @@ def test_seed_decode_line_is_accepted_with_a_draft_head(model):
     target, draft = model
     with pytest.raises(ConfigError, match="--speculative-draft-model-path: is required with "
                                           "--speculative-algorithm EAGLE: pdserve does not draft with a "
-                                          "checkpoint's own multi-token-prediction"):
+                                          "checkpoint's own multi-token-prediction .*"
+                                          "num_nextn_predict_layers = 1"):
         parse(target, DECODE, *SECRET)
     args = parse(target, DECODE, *SECRET, "--speculative-draft-model-path", str(draft))
     assert args.speculative_algorithm == "EAGLE"  # --speculative-algo: a unique prefix, as SGLang's parser takes

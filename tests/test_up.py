@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import openai
 import psutil
@@ -18,13 +20,117 @@ from tests.server.conftest import free_port
 from tests.waiting import wait_until
 
 
-def test_up_bad_flags_name_the_flag():
-    for argv, flag in ((["--prefill", "0"], "--prefill"), (["--port", "0"], "--port"),
-                       (["--disaggregation-bootstrap-port", "9"], "--disaggregation-bootstrap-port"),
-                       (["--speculative-prefill"], "--speculative-prefill")):
-        r = subprocess.run([sys.executable, "-m", "pdserve.launch_server", "up", *argv],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2 and flag in r.stderr, (argv, r.stderr)
+@pytest.mark.fast
+def test_up_reports_every_bad_flag_once():
+    """`up`'s own flags and the server flags it forwards, checked in the up process: every
+    problem at once (unique prefixes expanded over both, the multi-node flags caught by any
+    prefix), then the servers' values as ServerArgs checks them."""
+    from pdserve.config import ConfigError
+    from pdserve.up import parse_args
+
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--prefill", "0", "--page-sise", "3", "--nn", "2", "--dtype", "x", "--port", "0",
+                    "--disaggregation-bootstrap-p", "9", "--speculative-prefill", "--max-n", "many"])
+    assert sorted(str(exc.value).splitlines()) == sorted([
+        "--page-sise: unknown flag (did you mean --page-size?)",
+        "--dtype: invalid choice 'x' (choose from auto, float32, float16, bfloat16)",
+        "--max-n: invalid int value: 'many'",
+        "--prefill: must be >= 1, got 0",
+        "--port: must be in [1, 65535], got 0",
+        "--speculative-prefill: needs --speculative-algorithm",
+        "--nnodes: pdserve up starts one machine's deployment; start an instance spanning nodes with "
+        "`pdserve serve ... --nnodes N --node-rank R --dist-init-addr HOST:PORT` on each node",
+        "--disaggregation-bootstrap-port: set by pdserve up itself (use its own flags)",
+    ])
+    # A value only a server refuses is reported by `up`, once.
+    with pytest.raises(ConfigError, match="^--page-size: must be >= 1, got 0$"):
+        parse_args(["--page", "0"])
+    with pytest.raises(ConfigError, match="^ambiguous option: --dis could match --disaggregation-mode, --dist-init-addr, .* and \\d+ more$"):
+        parse_args(["--dis", "null"])
+
+
+@pytest.mark.fast
+def test_up_takes_prefixes_and_the_servers_draft_rule(tmp_path):
+    from pdserve.config import ConfigError, ServerArgs
+    from pdserve.testing import build_random_model
+    from pdserve.up import parse_args
+
+    args = parse_args(["--speculative-algo", "EAGLE3", "--pref", "2", "--page", "16", "--max-n", "4",
+                       "--log-level=debug", "--disaggregation-mode", "pd"])
+    assert (args.speculative_algorithm, args.num_prefill, args.mode) == ("EAGLE3", 2, "pd")
+    forwarded = ("--page-size", "16", "--max-n", "4", "--log-level=debug")  # then, on a GPU, its share
+    assert args.server_args[:len(forwarded)] == forwarded
+    assert args.router_args == ("--max-n", "4", "--log-level", "debug")
+    # The demo model's own head, as `pdserve serve` picks it (one rule, in ServerArgs).
+    assert args.speculative_draft_model_path == \
+        ServerArgs.from_cli(["--speculative-algorithm", "EAGLE3"]).speculative_draft_model_path
+    plain = build_random_model(tmp_path / "plain", "llama")
+    with pytest.raises(ConfigError, match="^--speculative-draft-model-path: is required with --speculative-"
+                                          "algorithm EAGLE: .* ships no draft head"):
+        parse_args(["--model-path", str(plain), "--speculative-algorithm", "EAGLE"])
+    mtp = build_random_model(tmp_path / "mtp", "llama", num_nextn_predict_layers=2)
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers = 2"):
+        parse_args(["--model-path", str(mtp), "--speculative-algorithm", "EAGLE"])
+
+
+@pytest.mark.fast
+def test_base_port_pins_every_port_and_refuses_a_busy_one():
+    from pdserve.config import ConfigError
+    from pdserve.up import parse_args, port_plan, preflight
+
+    plan = port_plan(parse_args(["--base-port", "40000", "--prefill", "2", "--decode", "2"]))
+    assert plan.named() == [("the router", 40000), ("prefill-0's HTTP port", 40001),
+                            ("prefill-0's bootstrap port", 40002), ("prefill-1's HTTP port", 40003),
+                            ("prefill-1's bootstrap port", 40004), ("decode-0's HTTP port", 40005),
+                            ("decode-1's HTTP port", 40006)]
+    assert port_plan(parse_args(["--base-port", "40000", "--disaggregation-mode", "null"])).named() == \
+        [("the server", 40000)]
+    assert port_plan(parse_args(["--port", "8000"])).named() == [("the router", 8000)]  # the servers: free ports
+    with pytest.raises(ConfigError, match=r"^--base-port: the deployment's ports 65534\.\.65537 must lie in"):
+        parse_args(["--base-port", "65534"])
+    with pytest.raises(ConfigError, match="^--base-port: .* give it or --port, not both"):
+        parse_args(["--base-port", "40000", "--port", "8000"])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for argv, flag in ((["--base-port", str(port)], "--base-port"), (["--port", str(port)], "--port")):
+            with pytest.raises(ConfigError, match=f"^{flag} {port}: port {port} \\(the server\\) is in use on "
+                                                  f"127.0.0.1; choose another {flag}$"):
+                preflight(parse_args([*argv, "--disaggregation-mode", "null"]), {})
+
+
+def test_up_without_mooncake_fails_fast_with_the_fix(tmp_path):
+    """Mooncake not importable (a shim package raising ImportError, on the servers' path
+    too): `up` says so in one line, naming the `pd` extra, before it starts anything."""
+    shim = tmp_path / "shim" / "mooncake"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('mooncake hidden by the test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "shim"), os.environ.get("PYTHONPATH", "")])}
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "pdserve.launch_server", "up", "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=120, env=env)
+    elapsed = time.monotonic() - started
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("pdserve up: error: the prefill and decode servers move KV with Mooncake, which "
+                               "does not load here (ImportError: mooncake hidden by the test): pip install -e "
+                               "'.[pd]'"), r.stderr
+    assert elapsed < 30, elapsed  # no model loaded: the import of torch is most of it (76 s before)
+
+
+def test_pinned_port_in_use_is_refused_before_anything_starts():
+    """PD: a busy bootstrap port of the plan is named (after the Mooncake check passes)."""
+    from pdserve.config import ConfigError
+    from pdserve.up import parse_args, preflight, server_env
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = parse_args(["--base-port", str(port - 2)])
+        with pytest.raises(ConfigError, match=f"^--base-port {port - 2}: port {port} \\(prefill-0's bootstrap "
+                                              "port\\) is in use"):
+            preflight(args, server_env(args))
 
 
 def _wait_all_gone(children: list[psutil.Process], seconds: float) -> None:
@@ -49,10 +155,22 @@ def _wait_all_gone(children: list[psutil.Process], seconds: float) -> None:
     wait_until(lambda: not alive(), seconds, step=0.2, what=cmdlines)
 
 
+def _free_port_run(count: int) -> int:
+    """The first of `count` consecutive free ports on loopback."""
+    from pdserve.up import port_in_use
+
+    def run() -> int | None:
+        first = free_port()
+        return first if first + count <= 65536 and not any(port_in_use("127.0.0.1", first + i)
+                                                            for i in range(count)) else None
+    return wait_until(run, 10.0, step=0.0, what=f"{count} consecutive free ports")
+
+
 def test_up_serves_chat_and_ctrl_c_stops_everything(tmp_path):
-    port = free_port()
+    """With --base-port every port is pinned: router N, prefill N+1 (bootstrap N+2), decode N+3."""
+    port = _free_port_run(4)
     with (tmp_path / "stderr").open("w") as stderr:  # what `up` and its servers said, for a failure's message
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "up", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "up", "--base-port", str(port)],
                                 stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines: list[str] = []
     ready = threading.Event()
@@ -72,6 +190,10 @@ def test_up_serves_chat_and_ctrl_c_stops_everything(tmp_path):
         want = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // 2))
         servers = [c for c in children if "pdserve.launch_server" in " ".join(c.cmdline())]
         assert len(servers) == 2 and all(c.environ().get("OMP_NUM_THREADS") == want for c in servers)
+        pinned = {" ".join(c.cmdline()).split("--disaggregation-mode ")[1].split()[0]: c.cmdline() for c in servers}
+        assert pinned["prefill"][pinned["prefill"].index("--port") + 1] == str(port + 1)
+        assert pinned["prefill"][pinned["prefill"].index("--disaggregation-bootstrap-port") + 1] == str(port + 2)
+        assert pinned["decode"][pinned["decode"].index("--port") + 1] == str(port + 3)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         out = client.chat.completions.create(model="pdserve-demo", max_tokens=16, temperature=0,
                                              messages=[{"role": "user", "content": "Repeat: abcdefgh"}])

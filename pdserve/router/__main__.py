@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 import uvicorn
 
+from pdserve.flags import error_lines
 from pdserve.router.config import ConfigError, RouterConfig, from_cli
 
 
@@ -34,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         cfg = from_cli(argv)
     except ConfigError as exc:
-        sys.stderr.write(f"python -m pdserve.router: error: {exc}\n")
+        sys.stderr.write(error_lines("python -m pdserve.router", exc))
         raise SystemExit(2) from None
     from pdserve.logs import quiet_uvicorn
     from pdserve.router.app import create_app

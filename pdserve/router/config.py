@@ -19,10 +19,12 @@ Every mistake is a `ConfigError` whose message starts with the flag it is about.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 from urllib.parse import urlsplit
 
+from pdserve.flags import FlagParser
 from pdserve.router.policies import POLICY_NAMES
 from pdserve.router.urls import UrlError, canonical_url, is_own_address
 
@@ -221,14 +223,11 @@ def _selector(values: Sequence[str] | None, flag: str) -> tuple[tuple[str, str],
     return tuple(out)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # argparse's messages already name the flag
-        raise ConfigError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m pdserve.router", description=__doc__,
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> FlagParser:
+    """The router's flags: unique prefixes accepted (as SGLang's router), every bad flag
+    and value reported together as one ConfigError (pdserve/flags.py)."""
+    ap = FlagParser(prog="python -m pdserve.router", description=__doc__, error_class=ConfigError,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pd-disaggregation", action="store_true",
                     help="route each request to a prefill and a decode server")
     ap.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
@@ -293,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def from_cli(argv: Sequence[str] | None = None) -> RouterConfig:
-    ns = build_parser().parse_args(argv)
+    ns = build_parser().parse_or_raise(sys.argv[1:] if argv is None else argv)
     if not ns.pd_disaggregation and (ns.prefill or ns.decode) and not ns.worker_urls:
         # SGLang requires the flag; say so rather than silently treating them as plain workers.
         raise ConfigError("--pd-disaggregation: --prefill/--decode need --pd-disaggregation")

@@ -355,8 +355,8 @@ def test_bad_speculative_flags_are_refused(target, drafts):
     from pdserve import Engine
     from pdserve.config import ConfigError, ServerArgs
 
-    with pytest.raises(ConfigError, match="--speculative-draft-model-path"):
-        ServerArgs(speculative_algorithm="EAGLE")
+    with pytest.raises(ConfigError, match="--speculative-draft-model-path"):  # no head ships with it
+        ServerArgs(model_path=str(target), speculative_algorithm="EAGLE")
     with pytest.raises(ConfigError, match="together"):
         ServerArgs(**spec(drafts, "EAGLE"), speculative_num_steps=3)
     with pytest.raises(ConfigError, match="--speculative-num-draft-tokens"):
