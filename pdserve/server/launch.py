@@ -145,6 +145,14 @@ class _Server(uvicorn.Server):
 def launch(args: ServerArgs) -> int:
     label = logs.server_label(args.disaggregation_mode)
     logs.configure(args.log_level, label)
+    try:
+        return _launch(args, label)
+    except KeyboardInterrupt:  # Ctrl-C before the server listened (afterwards it drains)
+        logger.info("interrupted while starting: stopped")
+        return 0
+
+
+def _launch(args: ServerArgs, label: str) -> int:
     # Started with SIGINT ignored (pdserve up's servers, a background job): the parent
     # drives the shutdown, and this process keeps ignoring a terminal's Ctrl-C.
     sigint_ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
@@ -228,9 +236,6 @@ def launch(args: ServerArgs) -> int:
     except StartupError as exc:
         print(f"pdserve: {exc}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C before the server listened (it drains afterwards)
-        logger.info("interrupted while starting: stopping")
-        return 0
     finally:
         if served and args.nnodes > 1:  # the other nodes' ranks leave with the shutdown command
             shut_down_group(paths, procs[1:])
