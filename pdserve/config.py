@@ -81,9 +81,15 @@ class ServerArgs:
     # Upper bound on `n` (parallel samples) per request.
     max_n: int = 16
     # Bound on the whole CPU KV budget when --max-total-tokens is not given:
-    # mem_fraction_static of this many GiB (a CPU has no device memory to measure).
-    cpu_kv_budget_gb: float = 4.0
+    # mem_fraction_static of this many GiB (a CPU has no device memory to measure); the
+    # pool never exceeds what --max-running-requests requests of the full context hold.
+    # The pool is resident memory: 0.5 GiB keeps the demo's scheduler at ~0.8 GB RSS (4.0
+    # took 2.5 GB each, README "Quick start") and still holds 110k demo tokens.
+    cpu_kv_budget_gb: float = 0.5
     log_level: str = "info"
+    # Every this many decode steps the scheduler logs one line: running / queued
+    # requests, KV usage, generation throughput, accept length (SGLang's flag and default).
+    decode_log_interval: int = 40
     # Speculative decoding (SGLang's flags). The three shape flags are given
     # together or not at all; `speculative_shape()` resolves the defaults.
     speculative_algorithm: str | None = None
@@ -193,9 +199,9 @@ class ServerArgs:
         validate(self)
 
     def speculative_shape(self, architecture: str) -> tuple[int, int, int]:
-        """(num_steps, eagle_topk, num_draft_tokens): the flags, or SGLang's per-model
-        defaults, which the target's architecture class declares ((5, 4, 8) for Llama
-        targets, the chain (3, 1, 4) otherwise). Top-k 1 is a chain: it forces
+        """(num_steps, eagle_topk, num_draft_tokens): the flags, or the per-model default
+        the target's architecture class declares (the chain (3, 1, 4) for every built-in
+        one: see LlamaForCausalLM for the measurements). Top-k 1 is a chain: it forces
         num_draft_tokens = num_steps + 1."""
         if self.speculative_num_steps is None:
             from pdserve.model.registry import architecture_class

@@ -95,6 +95,9 @@ def validate(args: "ServerArgs") -> None:
         raise bad("max_n", f"must be >= 1, got {args.max_n}")
     if args.cpu_kv_budget_gb <= 0:
         raise bad("cpu_kv_budget_gb", f"must be > 0, got {args.cpu_kv_budget_gb}")
+    if args.decode_log_interval < 1:
+        raise bad("decode_log_interval", f"must be >= 1 (decode steps between two log lines), "
+                  f"got {args.decode_log_interval}")
     if not 0 <= args.port <= 65535:
         raise bad("port", f"must be in [0, 65535], got {args.port}")
     if args.max_request_bytes < 1024:

@@ -16,12 +16,21 @@ It starts the servers (free ports picked at run time, bootstrap ports too), wait
 until each answers `/health`, starts the router in front of them, prints the URL and
 an example request, and on Ctrl-C (or SIGTERM) stops every process it started. If
 any process dies, the whole deployment is stopped and the exit status is non-zero.
+
+One console: every process writes pdserve's one line format (pdserve/logs.py), each
+line labelled with who wrote it (`router`, `prefill`, `decode`, `server`, `up`; with
+several servers of a kind, `prefill-0`, `prefill-1`, ...). A terminal's Ctrl-C reaches
+every process of the group at once: the children ignore it (they start with SIGINT
+ignored and keep it so) and `up` stops them in order, the router first (no new requests),
+then the servers, which drain: what is in flight finishes, or ends with an error event
+after --graceful-shutdown-timeout.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import secrets
 import signal
@@ -35,7 +44,9 @@ from typing import Sequence
 
 import httpx
 
+from pdserve import logs
 from pdserve.flags import FlagParser, error_lines, is_bad, raise_problems
+
 
 @dataclass(frozen=True)
 class UpArgs:
@@ -333,6 +344,26 @@ def _router_limits(server_args: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def graceful_timeout(server_args: Sequence[str]) -> float:
+    """The servers' drain deadline (--graceful-shutdown-timeout, passed through to them):
+    how long `up` lets them finish what is in flight when it stops them."""
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    ap.add_argument("--graceful-shutdown-timeout", type=float, default=None)
+    ns, _ = ap.parse_known_args(list(server_args))
+    if ns.graceful_shutdown_timeout is not None:
+        return float(ns.graceful_shutdown_timeout)
+    from pdserve.config import ServerArgs
+
+    return ServerArgs.graceful_shutdown_timeout
+
+
+def say(message: str, level: int = logging.INFO) -> None:
+    """One of `up`'s own lines, in the deployment's format (labelled `up`); warnings and
+    errors on stderr."""
+    print(logs.format_line("up", message, level=level), file=sys.stderr if level >= logging.WARNING else sys.stdout,
+          flush=True)
+
+
 def key_args(args: UpArgs) -> list[str]:
     """The keys, as the router and the servers spell them."""
     out: list[str] = []
@@ -377,6 +408,15 @@ def _die_with_parent() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; `up` decides
 
 
+# How long the router alone gets to stop before the servers are told to drain: it exits
+# at once when nothing is in flight; a stream in flight keeps it, and the servers' drain
+# then bounds that stream.
+ROUTER_HEAD_START_S = 2.0
+# Past the servers' drain deadline (--graceful-shutdown-timeout), what is still running
+# is killed after this long.
+STOP_MARGIN_S = 15.0
+
+
 class StopRequested(Exception):
     """Ctrl-C or SIGTERM asked the deployment to stop."""
 
@@ -387,8 +427,10 @@ class Deployment:
         self.stop_requested = stop_requested
         self.children: list[Child] = []
 
-    def _server_env(self) -> dict[str, str]:
-        return server_env(self.args)
+    def _server_env(self, label: str) -> dict[str, str]:
+        """``server_env`` plus ``label``: what the server's lines are labelled with
+        (pdserve/logs.py)."""
+        return dict(server_env(self.args), **{logs.LABEL_ENV: label})
 
     def _start(self, name: str, cmd: list[str], url: str, env: dict[str, str] | None = None) -> Child:
         child = Child(name, url, subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=env))
@@ -416,7 +458,8 @@ class Deployment:
         a = self.args
         if a.mode == "null":
             url = f"http://{a.host}:{a.port}"
-            self._start("server", self._server_cmd(a.port, "null", self._speculative()), url, self._server_env())
+            self._start("server", self._server_cmd(a.port, "null", self._speculative()), url,
+                        self._server_env("server"))
             self._wait_healthy()
             return url
         plan = port_plan(a)
@@ -425,13 +468,15 @@ class Deployment:
             port, boot = plan.prefill[i] if plan.prefill is not None else (free_port(a.host), free_port(a.host))
             extra = ["--disaggregation-bootstrap-port", str(boot)] + (self._speculative() if a.speculative_prefill
                                                                        else [])
-            child = self._start(f"prefill-{i}", self._server_cmd(port, "prefill", extra), f"http://{a.host}:{port}",
-                                self._server_env())
+            name = f"prefill-{i}"
+            child = self._start(name, self._server_cmd(port, "prefill", extra), f"http://{a.host}:{port}",
+                                self._server_env(name if a.num_prefill > 1 else "prefill"))
             prefill.append((child.url, boot))
         for i in range(a.num_decode):
             port = plan.decode[i] if plan.decode is not None else free_port(a.host)
-            child = self._start(f"decode-{i}", self._server_cmd(port, "decode", self._speculative()),
-                                f"http://{a.host}:{port}", self._server_env())
+            name = f"decode-{i}"
+            child = self._start(name, self._server_cmd(port, "decode", self._speculative()),
+                                f"http://{a.host}:{port}", self._server_env(name if a.num_decode > 1 else "decode"))
             decode.append(child.url)
         self._wait_healthy()
         url = f"http://{a.host}:{a.port}"
@@ -464,20 +509,36 @@ class Deployment:
                 raise RuntimeError(f"{c.name} ({' '.join(c.proc.args)}) exited with status {rc}")  # type: ignore
 
     def stop(self) -> None:
-        """Router first (no new requests), then, once it is gone, the servers (else its
-        health probes would report the servers going away as failures); SIGKILL after 20 s."""
-        deadline = time.monotonic() + 20
+        """The router first: SIGTERM, so it takes no new request; it exits once its
+        streams in flight have ended. Then (once it is gone, or after ROUTER_HEAD_START_S
+        when streams hold it) the servers: SIGTERM drains them, the requests in flight
+        finish or, after --graceful-shutdown-timeout, end with an error event that the
+        router passes on (a clean end, never a cut stream); the router, which stopped
+        probing them loudly, leaves with its last stream. SIGKILL for whatever is still
+        running STOP_MARGIN_S past the drain's deadline."""
         router = [c for c in self.children if c.name == "router"]
-        for group in (router, [c for c in self.children if c.name != "router"]):
-            for c in group:
-                if c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGTERM)
-            for c in group:
-                try:
-                    c.proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
-                    c.proc.wait(5)
+        servers = [c for c in self.children if c.name != "router"]
+        for c in router:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        head_start = time.monotonic() + ROUTER_HEAD_START_S
+        for c in router:
+            try:
+                c.proc.wait(max(0.0, head_start - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in servers:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + graceful_timeout(self.args.server_args) + STOP_MARGIN_S
+        for c in servers + router:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"{c.name} still running {STOP_MARGIN_S:g} s after the drain's deadline: killed",
+                    logging.WARNING)
+                c.proc.kill()
+                c.proc.wait(5)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -489,6 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # one line per problem, no usage block, nothing started
         sys.stderr.write(error_lines("pdserve up", exc))
         return 2
+    logs.set_process_title("up")
     # The handlers only set a flag that the loops below poll. Raising KeyboardInterrupt
     # from a handler is unreliable: when the signal lands while a finalizer (__del__,
     # a weakref callback) runs, Python reports the exception as "ignored" and goes on,
@@ -504,23 +566,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                  if args.mode == "pd" else "one colocated server")
         auth = " -H 'Authorization: Bearer <your --api-key>'" if args.api_key else ""
         if args.admin_api_key_generated:
-            print(f"pdserve up: the router reaches the servers from beyond loopback ({args.host}), so their "
-                  "admin routes need a key: one was generated for the router and the servers (pass "
-                  "--admin-api-key to choose it and reach /drain, /abort_request, /flush_cache, /workers)",
-                  flush=True)
-        print(f"pdserve up: {where} ready at {url}\n"
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is 12 + 7?\"}]}'\n"
-              "  Ctrl-C stops everything.", flush=True)
+            say(f"the router reaches the servers from beyond loopback ({args.host}), so their "
+                "admin routes need a key: one was generated for the router and the servers (pass "
+                "--admin-api-key to choose it and reach /drain, /abort_request, /flush_cache, /workers)")
+        say(f"{where} ready at {url}\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is 12 + 7?\"}]}'\n"
+            "  Ctrl-C stops everything.")
         while not stop_requested.is_set():
             dep.check_alive()
             time.sleep(0.2)  # a handler does not cut a sleep short (PEP 475): this bounds the delay
         raise StopRequested
     except StopRequested:
-        print("pdserve up: stopping", flush=True)
+        say("stopping: the router first, then the servers (they drain)")
         return 0
     except RuntimeError as exc:
-        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        say(str(exc), logging.ERROR)
         return 1
     finally:
         dep.stop()

@@ -1,9 +1,13 @@
 """`pdserve up`: one command starts prefill + decode + router on the demo model, answers a
-chat request through the OpenAI client, and Ctrl-C stops every process it started."""
+chat request through the OpenAI client, and Ctrl-C in its terminal (SIGINT to the whole
+process group) stops every process it started, the router first: a stream open then ends
+cleanly, nothing logs a failure, and the console reads as one (every line labelled with
+the process that wrote it)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,12 +15,13 @@ import sys
 import threading
 import time
 
+import httpx
 import openai
 import psutil
 import pytest
 
 from tests.router.test_pd_names_and_logs import GLOG_LINE
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, parse_sse_lines
 from tests.waiting import wait_until
 
 
@@ -166,12 +171,17 @@ def _free_port_run(count: int) -> int:
     return wait_until(run, 10.0, step=0.0, what=f"{count} consecutive free ports")
 
 
+# Every line of the console: `[date time LABEL] ...` (up's example request follows its ready line).
+CONSOLE_LINE = re.compile(r"^(\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (up|router|prefill|decode|prefill TP0|decode TP0)\] |  )")
+
+
 def test_up_serves_chat_and_ctrl_c_stops_everything(tmp_path):
     """With --base-port every port is pinned: router N, prefill N+1 (bootstrap N+2), decode N+3."""
     port = _free_port_run(4)
     with (tmp_path / "stderr").open("w") as stderr:  # what `up` and its servers said, for a failure's message
+        # Its own session, as a terminal starts it: a Ctrl-C there reaches the whole group.
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "up", "--base-port", str(port)],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True)
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
     lines: list[str] = []
     ready = threading.Event()
 
@@ -202,15 +212,42 @@ def test_up_serves_chat_and_ctrl_c_stops_everything(tmp_path):
         out = client.chat.completions.create(model="default", max_tokens=16, temperature=0,
                                              messages=[{"role": "user", "content": "Repeat: xyz"}])
         assert out.choices[0].message.content == "xyz" and out.model == "pdserve-demo"
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to it
-        assert proc.wait(60) == 0
-        assert "pdserve up: stopping" in "".join(lines)
+        # Named processes: ps shows which is which.
+        titles = {" ".join(c.cmdline()).strip() for c in children}
+        assert {"pdserve::router", "pdserve::scheduler TP0 (prefill)", "pdserve::scheduler TP0 (decode)",
+                "pdserve::detokenizer (prefill)", "pdserve::detokenizer (decode)"} <= titles, titles
+        body = {"prompt": "Repeat: abcdefgh", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60.0) as r:
+            assert r.status_code == 200
+            stream = r.iter_lines()
+            head = []
+            for line in stream:  # up to the first event: the stream is open
+                head.append(line)
+                if line.startswith("data:"):
+                    break
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in its terminal delivers
+            events, done = parse_sse_lines(head + list(stream))
+        # The router stopped first and the servers drained: the stream finished.
+        assert done and not [e for e in events if "error" in e], events
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+        assert proc.wait(90) == 0
         _wait_all_gone(children, 20)
         # A normal run at the default log level reads as one: no Mooncake glog lines (its
-        # start prints an `E` line), no WARNING, one ready line per process.
+        # start prints an `E` line), no warning or error, one ready line per process, each
+        # line labelled with who wrote it (the servers' access logs too).
         said = "".join(lines) + (tmp_path / "stderr").read_text()
-        assert not GLOG_LINE.search(said) and "WARNING" not in said and "Traceback" not in said, said
-        assert len([x for x in said.splitlines() if "ready on http://" in x]) == 3, said  # 2 servers + router
+        assert "stopping" in "".join(lines), said
+        assert not GLOG_LINE.search(said), said
+        for bad in ("WARNING", "Traceback", "Error", "ERROR"):
+            assert bad not in said, said
+        assert all(CONSOLE_LINE.match(x) for x in said.splitlines() if x.strip()), said
+        ready = [x for x in said.splitlines() if "ready on http://" in x]
+        assert len(ready) == 3, said  # 2 servers + router, each saying what it is
+        assert any("] pdserve prefill server ready on" in x for x in ready), ready
+        assert any("] pdserve decode server ready on" in x for x in ready), ready
+        access = [x for x in said.splitlines() if '"POST /v1/completions HTTP/1.1" 200' in x]
+        assert {x.split("]")[0].rsplit(" ", 1)[1] for x in access} == {"prefill", "decode"}, access
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -232,7 +269,7 @@ def test_up_ctrl_c_while_starting_stops_everything():
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
-        assert "pdserve up: stopping" in out and "ready at" not in out, out
+        assert "] stopping" in out and "ready at" not in out, out
         _wait_all_gone(children, 20)
     finally:
         if proc.poll() is None:

@@ -146,6 +146,9 @@ class WorkerRegistry:
         self.on_probe_failure = on_probe_failure  # a failed probe (not a draining answer)
         self.router_id = router_id            # what our own /health says in ROUTER_ID_HEADER
         self._started = False
+        # The router is shutting down (SIGTERM, Ctrl-C): its workers going out of rotation
+        # then (pdserve up stops the servers after it) is expected, logged at debug only.
+        self.shutting_down = False
         self._closing: set[asyncio.Task] = set()  # clients of discarded workers being closed
 
     def healthy(self, role: str) -> list[Worker]:
@@ -246,7 +249,8 @@ class WorkerRegistry:
         if not worker.server_draining:
             worker.server_draining = True
             worker.state_since = time.time()
-            logger.info("%s worker %s is draining: out of rotation", worker.role, worker.url)
+            logger.log(logging.DEBUG if self.shutting_down else logging.INFO, "%s worker %s is draining: out of "
+                       "rotation", worker.role, worker.url)
         worker.last_error = None
         if worker.healthy:
             worker.healthy = False
@@ -268,7 +272,8 @@ class WorkerRegistry:
             if healthy:
                 logger.info("%s worker %s is in rotation", worker.role, worker.url)  # normal (startup)
             elif not worker.removing:
-                logger.warning("%s worker %s is out of rotation: %s", worker.role, worker.url, reason)
+                logger.log(logging.DEBUG if self.shutting_down else logging.WARNING,
+                           "%s worker %s is out of rotation: %s", worker.role, worker.url, reason)
             if self.on_change is not None:
                 self.on_change(worker)
 

@@ -91,7 +91,8 @@ def size_kv_pages(args: ServerArgs, runner: ModelRunner, tp: TPGroup, slot_follo
     pages = tokens // args.page_size
     if tp.enabled:  # ranks must agree on the pool size: the smallest fits every rank
         pages = int(tp.all_reduce_min(torch.tensor([pages]))[0])
-    logger.info("KV pool: %d pages x %d tokens (%.1f MiB)", pages, args.page_size,
+    # (debug: the server's startup summary line says it, pdserve/server/startup_summary.py)
+    logger.debug("KV pool: %d pages x %d tokens (%.1f MiB)", pages, args.page_size,
                 pages * args.page_size * per_token / 2**20)
     return pages + 1  # + the padding page
 

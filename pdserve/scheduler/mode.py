@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 class Mode:
     """The colocated mode; the base of the disaggregated ones."""
     publishes_tokens = True  # False: drawn tokens are handed on, not published (a prefill server)
+    # A PD side's host copies of its transfer buffers (--disaggregation-kv-staging host);
+    # None: no copies (colocated, or the engine registers the KV buffers themselves).
+    staging: object | None = None
 
     def __init__(self, queues: RequestQueues) -> None:
         self.queues = queues

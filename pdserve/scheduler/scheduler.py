@@ -30,7 +30,7 @@ never the others. Prefill and decode schedulers fill the hooks (``poll_external`
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -39,6 +39,7 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ForwardInput, ModelRunner
 from pdserve.scheduler.admission import AdmissionTuning, GrowthReserve, PrefillPlanner, too_big
 from pdserve.scheduler.batch import Gain, Sampler, ScheduledBatch, StepOutput
+from pdserve.scheduler.decode_log import DecodeLog
 from pdserve.scheduler.decoding import DecodeStrategy, PlainDecoding
 from pdserve.scheduler.faults import Guard, end_despite, internal_error
 from pdserve.scheduler.grammar import COMPILING, GrammarBackend
@@ -103,6 +104,10 @@ class Scheduler:
         self.feature_sink: tuple[tuple[int, ...], torch.Tensor] | None = (
             (self.spec.capture_layers, self.spec.features) if self.spec is not None else None)
         self.num_forward_steps = 0
+        self.num_decode_steps = 0  # decode steps and speculative rounds
+        # Every --decode-log-interval decode steps one line (TP rank 0's: the ranks agree).
+        self.decode_log = (DecodeLog(args.decode_log_interval, self.state, self.page_size)
+                           if self.decodes and tp.rank == 0 else None)
         # Compiles the grammars of constrained requests; set by the builder, which
         # holds the tokenizer (None: constrained requests are refused).
         # Its deadline and cache bound are this server's --grammar-* flags.
@@ -176,9 +181,15 @@ class Scheduler:
         batch = self.plan_batch(out)
         if batch is not None:
             self.num_forward_steps += 1
+            decoding = batch.mode != "prefill"
+            before = sum(len(r.output_ids) for r in batch.reqs) if decoding else 0
             with self.guarded(lambda: batch.reqs + batch.sampling_reqs, out, f"{batch.mode} step"):
                 logits = self.forward(batch.forward)
                 self.process(batch, logits, out)
+            if decoding:
+                self.num_decode_steps += 1
+                if self.decode_log is not None:
+                    self.decode_log.step(sum(len(r.output_ids) for r in batch.reqs) - before)
         self.mode.commit(batch, out)
         return out
 
@@ -335,6 +346,31 @@ class Scheduler:
 
     def memory_state(self) -> dict[str, int]:
         return self.kv.memory_state()
+
+    def settings(self) -> dict[str, Any]:
+        """What this rank resolved at startup from the flags' "auto"s and defaults: the
+        server's startup summary line and /get_server_info report these."""
+        runner, args = self.runner, self.args
+        pools = list(self.kv.kv_pool.buffers().values())
+        if self.spec is not None:  # slot-indexed like the target KV: part of the same budget
+            pools += [*self.spec.draft_pool.buffers().values(), self.spec.features]
+        staging = None
+        if args.disaggregation_mode != "null":
+            staging = "host" if self.mode.staging is not None else "direct"
+        return {
+            "device": str(self.device),
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
+            "attention_backend": runner.attention_backend,
+            "max_total_tokens": self.kv.allocator.capacity * self.page_size,
+            "kv_pool_bytes": sum(t.numel() * t.element_size() for t in pools),
+            "page_size": self.page_size,
+            "context_length": self.context_len,
+            "speculative_shape": ((self.spec.steps, self.spec.topk, self.spec.num_draft_tokens)
+                                  if self.spec is not None else None),
+            "disaggregation_kv_staging": staging,
+            "tp_size": self.tp.size,
+        }
 
     # ---- teardown ------------------------------------------------------------------------
     def close(self) -> None:

@@ -163,7 +163,7 @@ def run_rank(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, rank: int, 
         raise
     if report is not None:
         report("ready", {"context_len": sched.context_len, "vocab_size": sched.vocab_size,
-                         "pid": os.getpid()})
+                         "pid": os.getpid(), "settings": sched.settings()})
     serve(sched, tp, io)
 
 

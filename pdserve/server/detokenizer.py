@@ -278,10 +278,14 @@ class Detokenizer:
         return TextUpdate(update, delta)
 
 
-def run_detokenizer_process(tokenizer_dir: Path, paths: ipc.IpcPaths, ready: Connection) -> None:
+def run_detokenizer_process(tokenizer_dir: Path, paths: ipc.IpcPaths, ready: Connection,
+                            log_level: str = "info", label: str = "server") -> None:
+    from pdserve import logs
     from pdserve.server.scheduler_process import die_with_parent
 
     die_with_parent()
+    logs.set_process_title("detokenizer", label)
+    logs.configure(log_level, label)
     try:
         detok = Detokenizer(load_tokenizer(tokenizer_dir))
         ctx = zmq.Context()

@@ -134,6 +134,7 @@ class Drain:
         # The peers of the connections open now (launch.py: uvicorn's connections).
         self.open_peers: Callable[[], set[Peer]] = set
         self._task: asyncio.Task | None = None
+        self._cut_short: str | None = None      # why the drain stopped waiting early (cut_short)
         self._began = 0.0                       # time.monotonic() when the drain began
         self._probes: dict[Peer, float] = {}    # peer -> monotonic time of its last /health
 
@@ -158,19 +159,32 @@ class Drain:
         self._task = asyncio.get_running_loop().create_task(self._run())
         return True
 
+    def cut_short(self, why: str) -> None:
+        """Stop waiting (on the event loop): what is still in flight is aborted now, each
+        request with an error, and the server stops (a second Ctrl-C)."""
+        if self.draining and not self.done and self._cut_short is None:
+            self._cut_short = why
+            logger.info("%s: aborting the %d request(s) still in flight", why, self.manager.in_flight_requests())
+
     async def _run(self) -> None:
         try:
             deadline = time.monotonic() + self.timeout
-            while self.manager.in_flight_requests() and time.monotonic() < deadline:
+            while (self.manager.in_flight_requests() and time.monotonic() < deadline
+                   and self._cut_short is None):
                 await asyncio.sleep(DRAIN_POLL_S)
             if self.manager.in_flight_requests():
-                self.aborted = await self.manager.abort_all(
-                    f"server shut down: the request did not finish within the drain's "
-                    f"{self.timeout:g} s (--graceful-shutdown-timeout) and was aborted")
-                logger.warning("drain deadline reached: aborted %d request(s)", self.aborted)
+                if self._cut_short is not None:
+                    why = f"server shut down ({self._cut_short}) before the request finished"
+                else:
+                    why = (f"server shut down: the request did not finish within the drain's {self.timeout:g} s "
+                           "(--graceful-shutdown-timeout) and was aborted")
+                self.aborted = await self.manager.abort_all(why)
+                if self._cut_short is None:
+                    logger.warning("drain deadline reached: aborted %d request(s)", self.aborted)
             else:
                 logger.info("drained: every request in flight finished")
-            await self._linger(deadline)
+            if self._cut_short is None:
+                await self._linger(deadline)
         except Exception:  # never leave the server half drained: stop it anyway
             logger.exception("drain failed; stopping the server")
         finally:

@@ -24,6 +24,7 @@ import uvicorn
 from pdserve.chat_templates import apply_chat_template_override
 from pdserve.config import ServerArgs
 from pdserve.engine import check_tp_layout, resolve_model_dir
+from pdserve import logs
 from pdserve.logs import quiet_uvicorn
 from pdserve.requests import RequestBuilder
 from pdserve.scheduler.grammar import GrammarLimits
@@ -37,6 +38,7 @@ from pdserve.server.http_connection import MAX_HEADER_BYTES, protocol_class
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.node import run_node, shut_down_group, startup_timeout
 from pdserve.server.scheduler_process import run_scheduler_process
+from pdserve.server.startup_summary import resolved_server_args, summary_line
 from pdserve.server.tokenizer_manager import TokenizerManager
 from pdserve.tokenizer import load_tokenizer
 
@@ -88,17 +90,27 @@ def stop_children(procs: list[Any]) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, but SIGTERM drains (pdserve/server/drain.py) instead of stopping.
+    """uvicorn's server, but SIGTERM and Ctrl-C drain (pdserve/server/drain.py) instead of
+    stopping.
 
-    uvicorn's own SIGTERM handling closes the listening socket at once (so /health could
-    not answer "draining" and Kubernetes' probes would see refused connections) and cuts
-    in-flight requests after `timeout_graceful_shutdown`. Here SIGTERM starts the drain,
-    which stops uvicorn (`should_exit`) once nothing is in flight. SIGINT (Ctrl-C) keeps
-    uvicorn's quick stop."""
+    uvicorn's own handling closes the listening socket at once (so /health could not
+    answer "draining" and Kubernetes' probes would see refused connections), cuts
+    in-flight requests after `timeout_graceful_shutdown` (a client mid-stream got a broken
+    response and the log a traceback) and re-raises the signal after serving (the process
+    died of it). Here SIGTERM and SIGINT start the drain, which stops uvicorn
+    (`should_exit`) once nothing is in flight, and the process exits 0. A second Ctrl-C
+    while draining ends what is still in flight at once, each request with an error (an
+    error event and [DONE] on a stream). A process started with SIGINT ignored (the
+    servers of `pdserve up`, a background job) keeps ignoring it: a terminal's Ctrl-C
+    reaches the whole process group, and the parent drives the shutdown (router first)."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, ready_line: str, label: str,
+                 sigint_ignored: bool) -> None:
         super().__init__(config)
         self.drain = drain
+        self.ready_line = ready_line
+        self.label = label
+        self.sigint_ignored = sigint_ignored
         self.loop: asyncio.AbstractEventLoop | None = None
         drain.stop = self.request_exit
         drain.open_peers = lambda: {c.client for c in self.server_state.connections if c.client}
@@ -107,25 +119,43 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if sig == signal.SIGTERM and self.loop is not None and not self.should_exit:
-            # A signal handler runs between two bytecodes of the loop's thread: hand the
-            # drain to the loop. Not recorded in uvicorn's _captured_signals either, which
-            # it re-raises after serving: the process would die of SIGTERM, not exit 0.
-            # A second SIGTERM while draining changes nothing (a preStop POST /drain is
-            # usually followed by Kubernetes' SIGTERM).
-            self.loop.call_soon_threadsafe(self.drain.start, "SIGTERM")
+        # Never recorded in uvicorn's _captured_signals, which it re-raises after serving.
+        if sig == signal.SIGINT and self.sigint_ignored:
             return
-        super().handle_exit(sig, frame)
+        if self.loop is None or self.should_exit:  # not serving yet, or stopping already
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # uvicorn's second Ctrl-C: stop waiting for connections
+            self.should_exit = True
+            return
+        # A signal handler runs between two bytecodes of the loop's thread: hand the drain
+        # to the loop. A second SIGTERM while draining changes nothing (a preStop POST
+        # /drain is usually followed by Kubernetes' SIGTERM); a second Ctrl-C cuts it short.
+        if sig == signal.SIGINT and self.drain.draining:
+            self.loop.call_soon_threadsafe(self.drain.cut_short, "a second Ctrl-C")
+            return
+        self.loop.call_soon_threadsafe(self.drain.start, signal.Signals(sig).name)
 
     async def startup(self, sockets: Any = None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.started:
-            host, port = self.config.host, self.config.port
-            print(f"pdserve ready on http://{host}:{port}", flush=True)
+            logs.announce(self.label, self.ready_line)
 
 
 def launch(args: ServerArgs) -> int:
+    label = logs.server_label(args.disaggregation_mode)
+    logs.configure(args.log_level, label)
+    try:
+        return _launch(args, label)
+    except KeyboardInterrupt:  # Ctrl-C before the server listened (afterwards it drains)
+        logger.info("interrupted while starting: stopped")
+        return 0
+
+
+def _launch(args: ServerArgs, label: str) -> int:
+    # Started with SIGINT ignored (pdserve up's servers, a background job): the parent
+    # drives the shutdown, and this process keeps ignoring a terminal's Ctrl-C.
+    sigint_ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     if args.node_rank > 0:  # multi-node TP: this node runs its ranks only (pdserve/server/node.py)
         return run_node(args)
     model_dir = resolve_model_dir(args)
@@ -141,7 +171,7 @@ def launch(args: ServerArgs) -> int:
     try:
         pending = []
         r, w = ctx.Pipe(duplex=False)
-        detok = ctx.Process(target=run_detokenizer_process, args=(tokenizer_dir, paths, w),
+        detok = ctx.Process(target=run_detokenizer_process, args=(tokenizer_dir, paths, w, args.log_level, label),
                             name="pdserve-detokenizer", daemon=True)
         pending.append((detok, r))
         init_method = tp_init_method(args)
@@ -159,6 +189,8 @@ def launch(args: ServerArgs) -> int:
                   f"{args.tp_size} here; waiting for the other nodes at {args.dist_init_addr}", flush=True)
         infos = _wait_ready(pending, startup_timeout(args))
         rank0 = infos[1]
+        settings = rank0["settings"]
+        logger.info("%s", summary_line(args, settings))
         builder = RequestBuilder(tokenizer, rank0["context_len"], rank0["vocab_size"], args.max_n,
                                  args.random_seed)
         metrics = ServerMetrics()
@@ -169,7 +201,7 @@ def launch(args: ServerArgs) -> int:
         manager.queue_limit = QueueLimit(args.max_queued_requests, args.max_running_requests)
 
         def server_info() -> dict[str, Any]:
-            return {"server_args": server_args_dict(args), "version": _version(),
+            return {"server_args": resolved_server_args(server_args_dict(args), settings), "version": _version(),
                     "pids": [os.getpid()] + [p.pid for p in procs], "scheduler_pid": procs[1].pid,
                     "model_path": str(model_dir)}
 
@@ -184,13 +216,19 @@ def launch(args: ServerArgs) -> int:
         # Slow, idle or oversized clients are cut off before they reach the app (http_connection).
         # timeout_graceful_shutdown: after a drain only finished responses are still being
         # written; on Ctrl-C it is what in-flight requests get.
+        # log_config=None: uvicorn's records (its access log) go through this process's
+        # handler, in pdserve's format (pdserve/logs.py), not uvicorn's own.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=5,
+                                log_config=None, timeout_graceful_shutdown=5,
                                 http=protocol_class(args.request_read_timeout, args.send_timeout),
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES,
                                 timeout_keep_alive=min(5.0, args.request_read_timeout))
         quiet_uvicorn(args.log_level)  # after Config, which sets uvicorn's loggers up
-        server = _Server(config, drain)
+        role = "colocated" if args.disaggregation_mode == "null" else args.disaggregation_mode
+        where = (f" (bootstrap port {args.disaggregation_bootstrap_port})"
+                 if args.disaggregation_mode == "prefill" else "")
+        server = _Server(config, drain, f"pdserve {role} server ready on http://{args.host}:{args.port}{where}",
+                         label, sigint_ignored)
         logging.getLogger("uvicorn.access").addFilter(_quiet_probes)
         served = True
         server.run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from multiprocessing.connection import Connection
@@ -10,6 +11,7 @@ from typing import Any
 
 import zmq
 
+from pdserve import logs
 from pdserve.config import ServerArgs
 from pdserve.scheduler.messages import Command
 from pdserve.scheduler.req import Req
@@ -89,6 +91,10 @@ def die_with_parent() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _severity(level: str) -> int:
+    return logging.getLevelName(level.upper())  # type: ignore[no-any-return]
+
+
 def make_zmq_io(paths: ipc.IpcPaths) -> ZmqIO:
     return ZmqIO(paths)
 
@@ -96,6 +102,12 @@ def make_zmq_io(paths: ipc.IpcPaths) -> ZmqIO:
 def run_scheduler_process(args: ServerArgs, model_dir: Path, tokenizer_dir: Path, rank: int,
                           init_method: str, paths: ipc.IpcPaths | None, ready: Connection) -> None:
     die_with_parent()
+    label = logs.server_label(args.disaggregation_mode)
+    logs.set_process_title(f"scheduler TP{rank}", label)
+    # The ranks log the same startup details: rank 0 says them, the others only their
+    # warnings and errors (all of it with --log-level debug).
+    level = args.log_level if rank == 0 or args.log_level == "debug" else max(args.log_level, "warning", key=_severity)
+    logs.configure(level, logs.tp_label(label, rank))
     import functools
 
     make_io = functools.partial(make_zmq_io, paths) if rank == 0 and paths is not None else None

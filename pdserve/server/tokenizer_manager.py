@@ -80,6 +80,7 @@ class TokenizerManager:
         self.replies: dict[str, asyncio.Future] = {}
         self.query_lock = asyncio.Lock()
         self.dead_reason: str | None = None
+        self.closed = False  # the sockets are gone (shutdown): nothing more is sent
         self._tasks: list[asyncio.Task] = []
         # Admission (pdserve/server/drain.py), set by launch: a draining server refuses
         # new requests; --max-queued-requests bounds what waits for a running slot.
@@ -90,6 +91,7 @@ class TokenizerManager:
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watchdog())]
 
     async def close(self) -> None:
+        self.closed = True
         for t in self._tasks:
             t.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -190,7 +192,7 @@ class TokenizerManager:
             queue.put_nowait(reason)
         for _ in states:
             self.metrics.requests.labels(finish="abort").inc()
-        if self.dead_reason is None:
+        if self.dead_reason is None and not self.closed:
             await self.to_scheduler.send(ipc.dumps(Command(abort=tuple(s.rid for s in states))))
         return len(states)
 
@@ -209,7 +211,8 @@ class TokenizerManager:
         could otherwise poison a rid another client will use; it races nothing it may abort
         (a router without the admin key asks again until the rid is seen)."""
         if rid in self.requests:
-            await self.to_scheduler.send(ipc.dumps(Command(abort=(rid,))))
+            if not self.closed:  # (a handler cancelled at shutdown: its scheduler is going too)
+                await self.to_scheduler.send(ipc.dumps(Command(abort=(rid,))))
             return True
         if rid in self.preparing:
             self.preparing[rid] = True

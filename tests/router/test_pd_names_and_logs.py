@@ -135,12 +135,12 @@ def test_default_log_level_is_quiet(deployment):
         graceful, alive = s.terminate()
         assert graceful and not alive
     router_out = Path(router.log.name).read_text(errors="replace")  # all of it (output() is the tail)
-    assert_quiet("prefill", p.output(), "pdserve ready on")
-    assert_quiet("decode", d.output(), "pdserve ready on")
-    assert_quiet("router", router_out, "pdserve router (PD mode) ready on")
+    assert_quiet("prefill", p.output(), "prefill] pdserve prefill server ready on")
+    assert_quiet("decode", d.output(), "decode] pdserve decode server ready on")
+    assert_quiet("router", router_out, "router] pdserve router (PD mode) ready on")
     # The servers' access log (INFO) still shows the requests; the router's normal events are INFO.
     assert '"POST /v1/completions HTTP/1.1" 200' in d.output() and "404" in d.output()
-    assert re.search(r"INFO pdserve\.router\.workers: decode worker \S+ is in rotation", router_out), router_out
+    assert re.search(r"\d\d router\] decode worker \S+ is in rotation", router_out), router_out
     assert "httpx" not in router_out  # no line per health probe
 
 
