@@ -36,6 +36,7 @@ class ServiceRoutes:
         self.manager = manager
         self.model_names = tuple(model_names)
         self.server_info = server_info
+        self.admin_only = args.admin_key() is not None  # (read once: the key may come from a file)
 
     def register(self, app: FastAPI) -> None:
         app.get("/health")(self.health)
@@ -132,6 +133,6 @@ class ServiceRoutes:
             raise ApiError("rid: must be a string", "rid")
         # With --admin-api-key set, KeyCheck let only its holder reach this route: only
         # then may an abort for a rid not seen yet wait for it (see TokenizerManager.abort).
-        found = await self.manager.abort(rid, remember=bool(self.args.admin_api_key))
+        found = await self.manager.abort(rid, remember=self.admin_only)
         # SGLang answers 200 whether or not the request was still running.
         return JSONResponse({"rid": rid, "aborted": found})
