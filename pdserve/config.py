@@ -124,6 +124,9 @@ class ServerArgs:
     # Protects the admin routes (/abort_request, /flush_cache, /drain) when given; without
     # it they answer only loopback clients (pdserve/server/http_front.py KeyCheck).
     admin_api_key: str | None = None
+    # The admin key read from a file (a mounted secret: not on the command line, where `ps`
+    # and `docker inspect` show it); exclusive with --admin-api-key. See admin_key().
+    admin_api_key_file: str | None = None
     # The model's names (vLLM's repeatable flag): the first is the one responses and
     # /v1/models report; requests may name any of them, or "default". Empty: the model
     # path (the demo: "pdserve-demo").
@@ -223,6 +226,17 @@ class ServerArgs:
                 raise ConfigError(f"{flag('disaggregation_secret_file')}: the secret must be at least 16 bytes")
             return secret
         return self.disaggregation_secret.encode() if self.disaggregation_secret is not None else None
+
+    def admin_key(self) -> str | None:
+        """The admin key: --admin-api-key, else the content of --admin-api-key-file
+        (surrounding whitespace stripped, as a mounted secret's trailing newline)."""
+        if self.admin_api_key_file is not None:
+            with open(self.admin_api_key_file, encoding="utf-8") as fh:
+                key = fh.read().strip()
+            if not key:
+                raise ConfigError(f"{flag('admin_api_key_file')}: {self.admin_api_key_file!r} is empty")
+            return key
+        return self.admin_api_key
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

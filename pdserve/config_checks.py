@@ -39,7 +39,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = transfer_engine_names()  # the registry's (pdserve/disagg/engines.py)
 # Fields that hold a filesystem path: any os.PathLike is accepted and kept as str.
 PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "disaggregation_secret_file",
-               "chat_template")
+               "admin_api_key_file", "chat_template")
 
 
 def flag(name: str) -> str:
@@ -226,6 +226,10 @@ def _check_disaggregation(args: "ServerArgs", bad: Any) -> None:
         raise bad("disaggregation_secret", "must be at least 16 characters")
     if args.disaggregation_secret_file is not None and not os.path.isfile(args.disaggregation_secret_file):
         raise bad("disaggregation_secret_file", f"{args.disaggregation_secret_file!r} is not a file")
+    if args.admin_api_key is not None and args.admin_api_key_file is not None:
+        raise bad("admin_api_key", f"give it or {flag('admin_api_key_file')}, not both")
+    if args.admin_api_key_file is not None and not os.path.isfile(args.admin_api_key_file):
+        raise bad("admin_api_key_file", f"{args.admin_api_key_file!r} is not a file")
     for entry in args.disaggregation_allowed_prefill:
         host, _, port = entry.rpartition(":") if entry.count(":") == 1 else (entry, "", "")
         if not host or (port and not (port.isdigit() and 0 < int(port) <= 65535)):

@@ -283,3 +283,20 @@ def test_reasoning_parser_names():
         with pytest.raises(ConfigError) as e:
             make()
         assert "--reasoning-parser" in str(e.value) and "qwen3" in str(e.value) and "deepseek-r1" in str(e.value)
+
+
+def test_admin_api_key_from_a_file(tmp_path):
+    """A mounted secret (compose `secrets:`, a Kubernetes Secret volume) instead of a flag
+    value that `ps` and `docker inspect` show; its trailing newline is not part of the key."""
+    key = tmp_path / "admin-api-key"
+    key.write_text("adm-0123456789abcdef\n")
+    args = ServerArgs.from_cli(["--admin-api-key-file", str(key)])
+    assert args.admin_key() == "adm-0123456789abcdef" and args.admin_api_key is None
+    assert ServerArgs(admin_api_key="inline").admin_key() == "inline" and ServerArgs().admin_key() is None
+    with pytest.raises(ConfigError, match="--admin-api-key: give it or --admin-api-key-file, not both"):
+        ServerArgs(admin_api_key="inline", admin_api_key_file=key)
+    with pytest.raises(ConfigError, match="--admin-api-key-file: .*is not a file"):
+        ServerArgs(admin_api_key_file=tmp_path / "missing")
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ConfigError, match="--admin-api-key-file: .*is empty"):
+        ServerArgs(admin_api_key_file=tmp_path / "empty").admin_key()

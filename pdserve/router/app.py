@@ -194,12 +194,22 @@ def create_app(cfg: RouterConfig, *, transport: httpx.AsyncBaseTransport | None 
 
     # ---- service routes ---------------------------------------------------------------
     @app.get("/health")
+    @app.get("/readiness")  # (SGLang's router's name: the same answer)
     async def health() -> Response:
+        """Ready: a healthy worker of every role (503 naming the missing roles otherwise),
+        what a load balancer or a readiness probe asks."""
         missing = router.missing_roles()
         out = _error(f"no healthy {' and no healthy '.join(missing)} worker", 503) if missing \
             else Response(status_code=200)
         out.headers[ROUTER_ID_HEADER] = router.instance_id  # lets a probe of ours recognise us
         return out
+
+    @app.get("/liveness")
+    async def liveness() -> Response:
+        """This process is alive and serving HTTP (SGLang's router's name), whatever its
+        workers do: a liveness probe must not restart a router whose servers are still
+        loading their weights (/health is 503 then)."""
+        return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> Response:

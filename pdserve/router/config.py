@@ -259,6 +259,8 @@ def build_parser() -> FlagParser:
                     help="the admin routes (/abort_request, /flush_cache, /workers) need 'Authorization: Bearer "
                          "KEY' (not --api-key); also sent to the workers on their admin routes. Without it the "
                          "admin routes answer only loopback clients")
+    ap.add_argument("--admin-api-key-file", default=None, metavar="PATH",
+                    help="--admin-api-key read from a file (a mounted secret), kept off the command line")
     ap.add_argument("--max-n", type=int, default=16, help="upper bound on n per request (the servers' --max-n)")
     ap.add_argument("--max-request-bytes", type=int, default=8 << 20, metavar="BYTES",
                     help="larger bodies are refused (413) before they are read")
@@ -306,7 +308,7 @@ def from_cli(argv: Sequence[str] | None = None) -> RouterConfig:
         prefill_policy=ns.prefill_policy or policy, decode_policy=ns.decode_policy or policy, policy=policy,
         health_check_interval=ns.health_check_interval, health_check_timeout=ns.health_check_timeout,
         retries=ns.retries, request_timeout=ns.request_timeout, connect_timeout=ns.connect_timeout,
-        api_key=ns.api_key, admin_api_key=ns.admin_api_key, max_n=ns.max_n,
+        api_key=ns.api_key, admin_api_key=_admin_key(ns.admin_api_key, ns.admin_api_key_file), max_n=ns.max_n,
         max_request_bytes=ns.max_request_bytes, max_request_samples=ns.max_request_samples,
         request_read_timeout=ns.request_read_timeout, send_timeout=ns.send_timeout,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
@@ -317,3 +319,20 @@ def from_cli(argv: Sequence[str] | None = None) -> RouterConfig:
         selector=_selector(ns.selector, "--selector"),
         service_discovery_namespace=ns.service_discovery_namespace,
         service_discovery_port=ns.service_discovery_port, bootstrap_port_annotation=ns.bootstrap_port_annotation)
+
+
+def _admin_key(key: str | None, path: str | None) -> str | None:
+    """--admin-api-key, or the content of --admin-api-key-file (whitespace around it
+    stripped: a mounted secret's trailing newline)."""
+    if path is None:
+        return key
+    if key is not None:
+        raise ConfigError("--admin-api-key: give it or --admin-api-key-file, not both")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            key = fh.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"--admin-api-key-file: cannot read {path!r}: {exc.strerror or exc}") from None
+    if not key:
+        raise ConfigError(f"--admin-api-key-file: {path!r} is empty")
+    return key

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.grammar_numbers import bound_numbers
 
 # Known-valid grammars the offline path remembers (digests only: 32 bytes each).
 CHECKED_ENTRIES = 4096
@@ -108,6 +109,9 @@ def _parse(kind: str, text: str) -> Any:
         # invalid JSON (mlc-ai/xgrammar#800); exclude them as its unbounded strings do.
         ebnf = str(grammar)
         fixed = ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+        # Number literals bounded to what a double / an int64 holds: unbounded digit runs
+        # let a model write digits until max_tokens (grammar_numbers.py).
+        fixed = bound_numbers(fixed)
         return grammar if fixed == ebnf else xgr.Grammar.from_ebnf(fixed)
     if kind == "regex":
         return xgr.Grammar.from_regex(text)

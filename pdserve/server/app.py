@@ -37,7 +37,7 @@ def create_app(args: ServerArgs, manager: TokenizerManager, model_names: Sequenc
     # The last added runs first: keys before the body is read, so that a client without
     # one cannot make the server buffer a body.
     app.add_middleware(BodyLimit, max_bytes=args.max_request_bytes)
-    app.add_middleware(KeyCheck, api_key=args.api_key, admin_api_key=args.admin_api_key)
+    app.add_middleware(KeyCheck, api_key=args.api_key, admin_api_key=args.admin_key())
     ServiceRoutes(args, manager, model_names, server_info).register(app)
     NativeRoutes(args, manager).register(app)
     OpenAIRoutes(args, manager, model_names).register(app)

@@ -11,6 +11,11 @@ through `protocol_class`).
 - A client that takes none of what is sent to it for `--send-timeout` seconds (the
   transport's buffer full, so the response waits on it) is dropped: the connection is
   aborted and the route sees the client gone (a stream's request is aborted, its KV freed).
+- A connection that opens with HTTP/2's preface (prior knowledge: SGLang's router probes
+  every worker for gRPC that way at startup) is told, in HTTP/2, to use HTTP/1.1 (SETTINGS,
+  then GOAWAY HTTP_1_1_REQUIRED) and closed, quietly: h11 would take the preface for a
+  request "PRI * HTTP/2.0" (a 404 in the access log) and the rest for garbage ("Invalid
+  HTTP request received" at warning level). Any other malformed request still warns.
 
 Split from http_front.py, which keeps the ASGI middleware (keys, body size) and the
 error bodies: this module works on the transport and h11's state, below ASGI, and is
@@ -37,6 +42,11 @@ from pdserve.server.http_front import error_bytes
 
 MAX_HEADER_BYTES = 64 * 1024   # request line + headers; above: 431
 LINGER_S = 2.0                 # how long a closing connection drains what the client still sends
+# RFC 9113 section 3.4: what an HTTP/2 client with prior knowledge sends first; the answer,
+# an empty SETTINGS frame (the server's preface) and GOAWAY(last stream 0, HTTP_1_1_REQUIRED).
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+H2_USE_HTTP1 = (b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+                b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + (0).to_bytes(4, "big") + (0xD).to_bytes(4, "big"))
 logger = logging.getLogger(__name__)
 # ioctl request for a socket's unsent + unacknowledged bytes (Linux's SIOCOUTQ, which is
 # TIOCOUTQ's number); None elsewhere: only our own buffer is watched there.
@@ -76,6 +86,8 @@ class ReadDeadlineH11Protocol(H11Protocol):
         self._linger_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._send_left = 0  # bytes the client had not taken at the last look (see _untaken)
+        # The connection's first bytes while they may still be HTTP/2's preface (None: not).
+        self._opening: bytes | None = b""
 
     # ---- send deadline --------------------------------------------------------------------
     # asyncio pauses writing once the transport buffers more than its high-water mark (the
@@ -157,6 +169,10 @@ class ReadDeadlineH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self.lingering:
             return  # closing: what the client still sends is dropped
+        if self._opening is not None:
+            data = self._http2_preface(data)
+            if not data:
+                return
         super().data_received(data)
         # A request being received runs against its deadline, armed at its first byte; once
         # it is all in (or between requests, where uvicorn's keep-alive timeout applies) none.
@@ -164,6 +180,24 @@ class ReadDeadlineH11Protocol(H11Protocol):
             self._arm()
         else:
             self._disarm()
+
+    def _http2_preface(self, data: bytes) -> bytes:
+        """The connection's opening bytes for h11 once they cannot be HTTP/2's preface
+        (all of them, held back so far); b"" while they still may be, or once they were
+        (then answered and closed; see the module doc)."""
+        assert self._opening is not None and self.raw is not None
+        opening = self._opening + data
+        if H2_PREFACE.startswith(opening[:len(H2_PREFACE)]):
+            if len(opening) < len(H2_PREFACE):
+                self._opening = opening  # (the read deadline armed at connect still runs)
+                return b""
+            self._opening = None
+            self.raw.write(H2_USE_HTTP1)
+            self.lingering = True  # whatever else the client sends (its SETTINGS...) is dropped
+            self._close_now()
+            return b""
+        self._opening = None
+        return opening
 
     def _read_timed_out(self) -> None:
         self.deadline = None

@@ -33,7 +33,8 @@ def error_body(message: str, kind: str, param: str | None, code: int | str) -> d
 
 
 ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache", "/drain"})
-OPEN_PATHS = frozenset({"/health"})  # no key needed (load balancers, orchestrators)
+# No key needed (load balancers, orchestrators' probes; the last two: the router's).
+OPEN_PATHS = frozenset({"/health", "/readiness", "/liveness"})
 
 
 def error_bytes(message: str, status: int, kind: str = "invalid_request_error") -> bytes:

@@ -36,6 +36,7 @@ class ServiceRoutes:
         self.manager = manager
         self.model_names = tuple(model_names)
         self.server_info = server_info
+        self.admin_only = args.admin_key() is not None  # (read once: the key may come from a file)
 
     def register(self, app: FastAPI) -> None:
         app.get("/health")(self.health)
@@ -94,7 +95,7 @@ class ServiceRoutes:
 
     async def model_info(self) -> dict[str, Any]:
         return {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path,
-                "is_generation": True}
+                "served_model_name": self.model_names[0], "is_generation": True}
 
     async def get_load(self) -> list[dict[str, Any]]:
         """Load as SGLang reports it (its router's power_of_two policy reads it)."""
@@ -104,6 +105,10 @@ class ServiceRoutes:
 
     async def get_server_info(self) -> dict[str, Any]:
         info = self.server_info()
+        # SGLang's router (sgl-model-gateway) names a worker's model after the top-level
+        # `served_model_name` string here, else `model_path`: the name requests must use,
+        # not the checkpoint's directory (which a request naming it would get a 404 for).
+        info["served_model_name"] = self.model_names[0]
         info["internal_state"] = await self.manager.get_state()
         # SGLang's top-level field (None without speculative decoding).
         info["avg_spec_accept_length"] = info["internal_state"].get("avg_spec_accept_length")
@@ -128,6 +133,6 @@ class ServiceRoutes:
             raise ApiError("rid: must be a string", "rid")
         # With --admin-api-key set, KeyCheck let only its holder reach this route: only
         # then may an abort for a rid not seen yet wait for it (see TokenizerManager.abort).
-        found = await self.manager.abort(rid, remember=bool(self.args.admin_api_key))
+        found = await self.manager.abort(rid, remember=self.admin_only)
         # SGLang answers 200 whether or not the request was still running.
         return JSONResponse({"rid": rid, "aborted": found})

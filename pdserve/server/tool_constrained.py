@@ -31,7 +31,7 @@ class NamedCall(ToolOutput):
 class RequiredCalls(ToolOutput):
     """`tool_choice: required`: the output is a JSON array of {"name", "parameters"}
     (constrained); each item becomes a call as soon as it is complete. An output cut
-    short (max_tokens) keeps its complete calls; the cut item's text is content. Text
+    short (max_tokens) keeps its complete calls and drops the cut item (see flush). Text
     that is not such an array (never, under the grammar) is content."""
 
     _OPEN, _ITEM, _SEP, _DONE, _TEXT = "open", "item", "sep", "done", "text"
@@ -80,6 +80,9 @@ class RequiredCalls(ToolOutput):
 
     def flush(self) -> tuple[str, list[Delta]]:
         rest, self.buffer = self.buffer, ""
-        if not self.calls and self.state not in (self._OPEN, self._TEXT):  # no call at all: all text
-            rest = "[" + rest
-        return rest.strip(), []  # a cut item (or nothing but whitespace)
+        if self.state == self._TEXT:
+            return rest.strip(), []
+        # Cut short (max_tokens) inside the array: its complete calls stand and the cut
+        # item is dropped, never made content (half a call is neither); finish_reason
+        # "length" tells the client. Left in any other state, `rest` is whitespace.
+        return "", []

@@ -82,6 +82,11 @@ def test_pdserve_servers_behind_sglang_router_answer_like_pdserve_router():
         sgl = SGLangRouter(p, boot, d)
         ours = RouterProcess("--pd-disaggregation", "--prefill", p.url, str(boot), "--decode", d.url)
         model = d.client.get("/v1/models").json()["data"][0]["id"]
+        # Its /v1/models names the servers' model as requests must name it, not by the
+        # model's directory (0.3.2 asks a worker; newer gateways take /server_info's
+        # served_model_name: tests/server/test_names_and_templates.py).
+        listed = httpx.get(sgl.url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in listed["data"]] == [model], listed
         via_sglang = answers(sgl.url, model)
         assert via_sglang == answers(ours.url, model)
         assert via_sglang["chat stream Repeat: abc123xyz"] == "abc123xyz"
@@ -90,6 +95,9 @@ def test_pdserve_servers_behind_sglang_router_answer_like_pdserve_router():
         assert set(load[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
         p.assert_pools_full()
         d.assert_pools_full()
+        # Its startup probe for gRPC (HTTP/2's preface) left no 404 line and no warning.
+        for server in (p, d):
+            assert "PRI * HTTP/2.0" not in server.output() and "Invalid HTTP request" not in server.output()
     finally:
         for r in (sgl, ours):
             if r is not None:

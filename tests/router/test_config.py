@@ -112,3 +112,18 @@ def test_cli_exits_with_the_message():
 def test_send_timeout_reaches_the_config():
     assert from_cli(["--worker-urls", "http://h:1"]).send_timeout == 60.0
     assert from_cli(["--worker-urls", "http://h:1", "--send-timeout", "2.5"]).send_timeout == 2.5
+
+
+@pytest.mark.fast
+def test_admin_api_key_from_a_file(tmp_path):
+    key = tmp_path / "admin-api-key"
+    key.write_text("  adm-0123456789abcdef\n")
+    base = ["--worker-urls", "http://h:1"]
+    assert from_cli([*base, "--admin-api-key-file", str(key)]).admin_api_key == "adm-0123456789abcdef"
+    assert from_cli([*base, "--admin-api-key", "k"]).admin_api_key == "k"
+    (tmp_path / "empty").write_text("")
+    for extra, message in ((["--admin-api-key", "k", "--admin-api-key-file", str(key)], "not both"),
+                           (["--admin-api-key-file", str(tmp_path / "missing")], "cannot read"),
+                           (["--admin-api-key-file", str(tmp_path / "empty")], "is empty")):
+        with pytest.raises(ConfigError, match=f"--admin-api-key.*{message}"):
+            from_cli([*base, *extra])

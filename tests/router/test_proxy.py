@@ -207,6 +207,7 @@ def test_a_dead_worker_comes_back_after_a_successful_probe():
 def test_unhealthy_workers_leave_rotation_and_503_when_none_left():
     with fake_deployment(1, 2, "--health-check-interval", "0.2", "--health-check-timeout", "0.2") as dep:
         assert dep.client.get("/health").status_code == 200
+        assert dep.client.get("/readiness").status_code == 200 and dep.client.get("/liveness").status_code == 200
         d0, d1 = dep.decode
         d0.faults.healthy = False
         url0 = dep.server_of(d0).url
@@ -217,6 +218,8 @@ def test_unhealthy_workers_leave_rotation_and_503_when_none_left():
         assert len(d0.requests) == before  # out of rotation: only d1 gets requests
         d1.faults.healthy = False
         wait_until(lambda: dep.client.get("/health").status_code == 503)
+        # Not ready, but alive: a liveness probe must not restart it (Kubernetes' livenessProbe).
+        assert dep.client.get("/readiness").status_code == 503 and dep.client.get("/liveness").status_code == 200
         n_before = len(dep.prefill[0].requests)
         t0 = time.monotonic()
         err = assert_openai_error(dep.client.post("/v1/completions", json=COMPLETION), 503)
@@ -328,7 +331,8 @@ def test_abort_by_client_rid_through_the_router():
 
 def test_api_key():
     with fake_deployment(1, 1, "--api-key", "sekret") as dep:
-        assert dep.client.get("/health").status_code == 200
+        for probe in ("/health", "/readiness", "/liveness"):  # probes carry no key
+            assert dep.client.get(probe).status_code == 200, probe
         assert_openai_error(dep.client.post("/v1/completions", json=COMPLETION), 401)
         r = dep.client.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 200

@@ -221,8 +221,13 @@ def test_a_router_without_an_admin_key_answers_admin_routes_to_loopback_only(api
         assert "router error" not in router.output() and "Traceback" not in router.output()
 
 
-def test_a_router_with_an_admin_key_refuses_the_user_key_on_every_admin_route():
-    with router_on_all_interfaces("--api-key", USER, "--admin-api-key", ADMIN) as router:
+@pytest.mark.parametrize("given", ["flag", "file"])
+def test_a_router_with_an_admin_key_refuses_the_user_key_on_every_admin_route(given, tmp_path):
+    admin = ("--admin-api-key", ADMIN)
+    if given == "file":  # a mounted secret: off the command line, its trailing newline not part of it
+        (tmp_path / "admin-api-key").write_text(ADMIN + "\n")
+        admin = ("--admin-api-key-file", str(tmp_path / "admin-api-key"))
+    with router_on_all_interfaces("--api-key", USER, *admin) as router:
         bases = [router.url] + ([f"http://{REMOTE_IP}:{router.port}"] if REMOTE_IP else [])
         before = worker_urls(router, bearer(ADMIN))
         for base in bases:

@@ -75,9 +75,12 @@ class Target:
 
 
 @pytest.fixture(scope="module")
-def guarded(llama_dir) -> Iterator[Target]:
-    """Both keys, a short read timeout, client templates refused (the default)."""
-    s = ServerProcess(llama_dir, "--request-read-timeout", str(READ_TIMEOUT), "--admin-api-key", ADMIN,
+def guarded(llama_dir, tmp_path_factory) -> Iterator[Target]:
+    """Both keys (the admin key from a file, as a mounted secret gives it, newline and
+    all), a short read timeout, client templates refused (the default)."""
+    admin_key = tmp_path_factory.mktemp("secrets") / "admin-api-key"
+    admin_key.write_text(ADMIN + "\n")
+    s = ServerProcess(llama_dir, "--request-read-timeout", str(READ_TIMEOUT), "--admin-api-key-file", str(admin_key),
                       api_key=USER)
     try:
         yield Target(s, user())

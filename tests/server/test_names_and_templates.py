@@ -55,6 +55,15 @@ def test_models_lists_every_served_name_the_first_first(client):
     assert [m.id for m in client.models.list().data] == list(NAMES)
 
 
+def test_server_info_reports_the_served_name_where_sglang_router_reads_it(server):
+    """SGLang's router takes a worker's model id from the top-level `served_model_name`
+    string of /server_info (else `model_path`, a directory requests cannot name)."""
+    for route in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+        info = server.client.get(route).json()
+        assert info["served_model_name"] == NAMES[0], (route, info)
+    assert server.client.get("/server_info").json()["model_path"] != NAMES[0]
+
+
 def test_default_and_every_served_name_are_served(server):
     answers = []
     for model in ("default", *NAMES, None):

@@ -183,10 +183,15 @@ def test_required_output_becomes_calls_and_anything_else_content():
     for pieces in ([text], list(text), [text[:20], text[20:52], text[52:]]):
         content, deltas = stream(RequiredCalls(NAMES), pieces)
         assert content == "" and without_ids(merge_deltas(deltas)) == without_ids(calls)
-    # cut at max_tokens: the complete calls, the cut item as content
-    content, calls = RequiredCalls(NAMES).parse('[{"name": "now", "parameters": {}}, {"name": "add", "param')
-    assert content == '{"name": "add", "param' and without_ids(calls) == [call("now", {})]
-    for text in ('[{"name": "x", "parameters": {}}]', "no json", '  [{"name": "add", "parameters": {"a": 1'):
+    # cut at max_tokens: the complete calls; the cut item is dropped, never content
+    cut = '[{"name": "now", "parameters": {}}, {"name": "add", "param'
+    content, calls = RequiredCalls(NAMES).parse(cut)
+    assert content == "" and without_ids(calls) == [call("now", {})]
+    content, deltas = stream(RequiredCalls(NAMES), list(cut))
+    assert content == "" and without_ids(merge_deltas(deltas)) == [call("now", {})]
+    assert RequiredCalls(NAMES).parse('  [{"name": "add", "parameters": {"a": 1111111') == ("", [])
+    # Not such an array (never, under the grammar): all content.
+    for text in ('[{"name": "x", "parameters": {}}]', "no json"):
         assert RequiredCalls(NAMES).parse(text) == (text.strip(), [])
 
 
