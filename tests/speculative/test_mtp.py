@@ -124,7 +124,9 @@ def test_mtp_draft_equals_the_nextn_reference(tmp_path, glm, runner):
 @pytest.mark.fast
 def test_fp8_checkpoint_nextn_layer_loads_dequantised(tmp_path, glm):
     """The NextN layer of an FP8 checkpoint is quantised like the rest: the draft loads it
-    dequantised (as the target's loader does), equal to the dequantised checkpoint's."""
+    dequantised (as the target's loader does), equal to the dequantised checkpoint's. The
+    target skips that layer's fp8 weights together with their scales (before, the scales
+    were left over and reported as unexpected tensors: an FP8 GLM-4.5 did not load)."""
     deq = tmp_path / "deq"
     fp8 = build_fp8_checkpoint(glm, tmp_path / "fp8", "compressed-tensors", strategy="channel", dequantized_dir=deq)
     stored = load_file(str(fp8 / "model.safetensors"))
