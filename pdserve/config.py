@@ -188,14 +188,17 @@ class ServerArgs:
         for f in fields(self):
             if str(f.type) == "tuple[str, ...]" and isinstance(getattr(self, f.name), list):
                 object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
-        # The draft when none is given (config_checks.default_draft_model_path: the demo
-        # model's heads, else a refusal saying why); a model path that is no directory, or an
+        # The draft when none is given (config_checks.default_draft_model_path: the
+        # checkpoint's own MTP layer, the demo model's heads, else a refusal saying why); a model path that is no directory, or an
         # unknown algorithm, is left to validation to name.
         if (self.speculative_algorithm in SPECULATIVE_ALGORITHMS and self.speculative_draft_model_path is None
                 and (self.model_path is None
                      or (isinstance(self.model_path, str) and os.path.isdir(self.model_path)))):
             object.__setattr__(self, "speculative_draft_model_path",
                                default_draft_model_path(self.model_path, self.speculative_algorithm))
+        # SGLang's NEXTN is EAGLE (its draft, without a path, the checkpoint's NextN layer: above).
+        if self.speculative_algorithm == "NEXTN":
+            object.__setattr__(self, "speculative_algorithm", "EAGLE")
 
     # ---- validation (pdserve/config_checks.py) -------------------------------------
     def _validate(self) -> None:

@@ -34,7 +34,9 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", *attention_backends.backend_names())  # the registry's (model/attention_backends.py)
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
+# NEXTN is SGLang's name for EAGLE with a checkpoint's own MTP layer: an alias of EAGLE
+# (ServerArgs turns it into EAGLE, as SGLang's server args do).
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = transfer_engine_names()  # the registry's (pdserve/disagg/engines.py)
 # Fields that hold a filesystem path: any os.PathLike is accepted and kept as str.
@@ -293,9 +295,11 @@ def default_draft_model_path(model_path: str | None, algorithm: str) -> str:
     One rule for every entry point (``ServerArgs`` applies it: `pdserve serve`, `pdserve up`,
     `pdserve.generate` and ``Engine`` agree):
 
-    1. the checkpoint's own multi-token-prediction layers (``num_nextn_predict_layers`` in
-       its config), which SGLang drafts with for GLM-4.5 and DeepSeek-V3: pdserve does not
-       yet, and says so;
+    1. the checkpoint's own multi-token-prediction layer (``num_nextn_predict_layers`` in
+       its config), as SGLang drafts for GLM-4.5: the model path itself is the draft
+       (speculative/draft_config.py reads it as the "mtp" layout), for an architecture
+       pdserve drafts with NextN layers for (Glm4MoeForCausalLM), with EAGLE; refused,
+       saying why, for another architecture or EAGLE3;
     2. else a draft shipped with the model: the embedded demo model's EAGLE / EAGLE3 heads;
     3. else a ConfigError naming --speculative-draft-model-path.
     """
@@ -305,9 +309,23 @@ def default_draft_model_path(model_path: str | None, algorithm: str) -> str:
 
     nextn = _nextn_layers(model_path)
     if nextn:
-        raise refuse(f"pdserve does not draft with a checkpoint's own multi-token-prediction (NextN) layers "
-                     f"yet, as SGLang does for GLM-4.5 and DeepSeek-V3 ({model_path} has "
-                     f"num_nextn_predict_layers = {nextn}); give an EAGLE or EAGLE3 head")
+        assert model_path is not None
+        from pdserve.speculative.draft_config import mtp_architectures
+
+        archs = _config(model_path).get("architectures") or []
+        mtp = mtp_architectures()
+        if not any(a in mtp for a in archs):
+            raise refuse(f"{model_path} has multi-token-prediction (NextN) layers (num_nextn_predict_layers = "
+                         f"{nextn}), but pdserve drafts with them only for {', '.join(mtp)}, not {archs} "
+                         "(DeepSeek-V3 is not a supported architecture); give an EAGLE or EAGLE3 head")
+        if algorithm not in ("EAGLE", "NEXTN"):
+            raise refuse(f"the checkpoint's multi-token-prediction (NextN) layers (num_nextn_predict_layers = "
+                         f"{nextn}) draft with --speculative-algorithm EAGLE (or NEXTN), not {algorithm}; "
+                         "give an EAGLE3 head")
+        return model_path
+    if algorithm == "NEXTN":
+        raise refuse(f"NEXTN drafts with the checkpoint's own multi-token-prediction layers, and "
+                     f"{model_path or 'the model'} has none (num_nextn_predict_layers)")
     demo = _demo_asset("demo")
     if demo is not None and (model_path is None or os.path.realpath(model_path) == os.path.realpath(demo)):
         head = _demo_asset(DEMO_DRAFTS[algorithm])
@@ -322,15 +340,19 @@ def _nextn_layers(model_path: str | None) -> int:
     model's own checks refuse an unreadable config)."""
     if model_path is None:
         return 0
+    config = _config(model_path)
+    value = config.get("num_nextn_predict_layers", (config.get("text_config") or {}).get("num_nextn_predict_layers"))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _config(model_path: str) -> dict[str, Any]:
+    """The checkpoint's config.json ({} when unreadable: the model's own checks say why)."""
     try:
         with open(os.path.join(model_path, "config.json")) as fh:
             config = json.load(fh)
     except (OSError, ValueError):
-        return 0
-    if not isinstance(config, dict):
-        return 0
-    value = config.get("num_nextn_predict_layers", (config.get("text_config") or {}).get("num_nextn_predict_layers"))
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _demo_asset(name: str) -> str | None:

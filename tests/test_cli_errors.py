@@ -108,11 +108,17 @@ def test_draft_default_rule(tmp_path):
         assert ServerArgs.from_cli(["--speculative-algorithm", algo]).speculative_draft_model_path == \
             str(assets.path(head))
         assert default_draft_model_path(str(assets.path("demo")), algo) == str(assets.path(head))
-    # The checkpoint's own MTP layers: not drafted with yet, refused saying so.
+    # The checkpoint's own MTP layer (GLM-4.5): the model path is the draft, as in SGLang.
+    glm = build_random_model(tmp_path / "glm", "glm4_moe")
+    for algo in ("EAGLE", "NEXTN"):
+        args = ServerArgs.from_cli(["--model-path", str(glm), "--speculative-algorithm", algo])
+        assert (args.speculative_algorithm, args.speculative_draft_model_path) == ("EAGLE", str(glm))
+    # NextN layers of an architecture pdserve does not draft them for: refused saying so.
     mtp = build_random_model(tmp_path / "mtp", "llama", num_nextn_predict_layers=1)
     with pytest.raises(ConfigError, match="^--speculative-draft-model-path: is required with --speculative-"
-                                          "algorithm EAGLE: pdserve does not draft with a checkpoint's own "
-                                          "multi-token-prediction .*num_nextn_predict_layers = 1"):
+                                          "algorithm EAGLE: .* has multi-token-prediction \\(NextN\\) layers "
+                                          "\\(num_nextn_predict_layers = 1\\), but pdserve drafts with them only "
+                                          "for Glm4MoeForCausalLM"):
         ServerArgs.from_cli(["--model-path", str(mtp), "--speculative-algorithm", "EAGLE"])
     # Neither: the flag is asked for.
     plain = build_random_model(tmp_path / "plain", "llama")

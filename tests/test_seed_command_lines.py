@@ -2,7 +2,7 @@
 as its users type it, on a model the test builds: SGLang's flag spellings (a unique prefix,
 `--speculative-algo`; `--attention-backend fa3`; fp8 KV) are accepted, and what pdserve
 still asks for on top is refused naming the flag: the PD secret when listening beyond
-loopback, and a draft head (the checkpoint's own MTP layer is not supported yet)."""
+loopback. The decode line's draft is the checkpoint's own MTP layer, as in SGLang."""
 
 from __future__ import annotations
 
@@ -27,9 +27,8 @@ def model(tmp_path_factory):
     from pdserve.testing import build_random_draft, build_random_model
 
     root = tmp_path_factory.mktemp("seed_lines")
-    # GLM-4.5-Air's checkpoint carries one multi-token-prediction layer, as its config says.
-    target = build_random_model(root / "t", "llama", num_layers=2, num_heads=4, num_kv_heads=4,
-                                num_nextn_predict_layers=1)
+    # GLM-4.5-Air-shaped: one multi-token-prediction layer stored after the decoder's.
+    target = build_random_model(root / "t", "glm4_moe", num_layers=2, num_heads=4, num_kv_heads=4)
     return target, build_random_draft(target, root / "e", "EAGLE")
 
 
@@ -46,16 +45,16 @@ def test_seed_prefill_line_is_accepted_with_the_pd_secret(model):
     assert args.resolved_attention_backend() == attention_backends.auto_backend("cpu")  # fa3 runs as auto
 
 
-def test_seed_decode_line_is_accepted_with_a_draft_head(model):
+def test_seed_decode_line_drafts_with_the_checkpoints_mtp_layer(model):
     target, draft = model
-    with pytest.raises(ConfigError, match="--speculative-draft-model-path: is required with "
-                                          "--speculative-algorithm EAGLE: pdserve does not draft with a "
-                                          "checkpoint's own multi-token-prediction .*"
-                                          "num_nextn_predict_layers = 1"):
-        parse(target, DECODE, *SECRET)
-    args = parse(target, DECODE, *SECRET, "--speculative-draft-model-path", str(draft))
+    args = parse(target, DECODE, *SECRET)
     assert args.speculative_algorithm == "EAGLE"  # --speculative-algo: a unique prefix, as SGLang's parser takes
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (2, 1, 3)
+    # No draft path: the checkpoint itself, read as its NextN layer (speculative/draft_config.py).
+    assert args.speculative_draft_model_path == str(target)
+    # An EAGLE head given explicitly is taken instead.
+    assert parse(target, DECODE, *SECRET, "--speculative-draft-model-path", str(draft)
+                 ).speculative_draft_model_path == str(draft)
 
 
 def test_an_ambiguous_prefix_is_an_error_naming_the_candidates(model):

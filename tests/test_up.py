@@ -76,6 +76,10 @@ def test_up_takes_prefixes_and_the_servers_draft_rule(tmp_path):
     mtp = build_random_model(tmp_path / "mtp", "llama", num_nextn_predict_layers=2)
     with pytest.raises(ConfigError, match="num_nextn_predict_layers = 2"):
         parse_args(["--model-path", str(mtp), "--speculative-algorithm", "EAGLE"])
+    # GLM-4.5's own MTP layer drafts: the model path is the draft path.
+    glm = build_random_model(tmp_path / "glm", "glm4_moe")
+    assert parse_args(["--model-path", str(glm), "--speculative-algorithm", "EAGLE"]
+                      ).speculative_draft_model_path == str(glm)
 
 
 @pytest.mark.fast

@@ -15,7 +15,8 @@ Checkpoint: ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``,
 ``mlp.experts.{e}.{gate,up,down}_proj.weight``, ``mlp.shared_experts.{gate,up,down}_proj``.
 The ``num_nextn_predict_layers`` MTP layers stored after the decoder's
 (``model.layers.{num_hidden_layers}.*``: eh_proj, enorm, hnorm, shared_head, a decoder
-layer) are not part of this model: skipped at load.
+layer) are not part of this model: skipped at load. They are the built-in EAGLE draft
+(pdserve/speculative/draft_config.py, layout "mtp").
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ class Glm4MoeForCausalLM(CausalLM):
         shared = _int(raw, "n_shared_experts", 1, fail) * _int(raw, "moe_intermediate_size", 0, fail)
         return routing, shared
 
+    @classmethod
+    def stacked_params_for(cls, cfg: ModelConfig) -> tuple[tuple[str, str, object], ...]:
+        assert cfg.moe is not None
+        return expert_stacked_params(cfg.moe.num_experts, QWEN3_MOE_EXPERT_NAMES) + STACKED_PARAMS
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__(cfg, tp)
-        assert cfg.moe is not None
-        self.stacked_params = expert_stacked_params(cfg.moe.num_experts, QWEN3_MOE_EXPERT_NAMES) + STACKED_PARAMS
+        self.stacked_params = self.stacked_params_for(cfg)
 
 
 def _int(raw: dict[str, Any], key: str, default: int, fail: MoeFail) -> int:

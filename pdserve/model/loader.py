@@ -332,8 +332,10 @@ def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str 
                 ckpt_name = stored_name
                 if ckpt_name.endswith(model.ignored_suffixes) or (tied and ckpt_name == "lm_head.weight"):
                     continue
-                # Layers stored but not built (GLM-4.5's NextN layer: CausalLM.ignored_prefixes).
+                # Layers stored but not built (GLM-4.5's NextN layer: CausalLM.ignored_prefixes);
+                # a skipped fp8 weight's scale goes with it.
                 if ckpt_name.startswith(getattr(model, "ignored_prefixes", ())):
+                    scales.pop(stored_name, None)
                     continue
                 if quant is not None and ckpt_name.endswith("." + quant.scale_suffix):
                     continue  # read by read_weight_scales, loaded with its weight
@@ -344,6 +346,7 @@ def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str 
                 if rename is not None:
                     renamed = rename(ckpt_name)
                     if renamed is None:
+                        scales.pop(stored_name, None)
                         continue
                     ckpt_name = renamed
                 target, shard = _map_name(model, ckpt_name)

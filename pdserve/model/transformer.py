@@ -175,6 +175,12 @@ class CausalLM(nn.Module):
         experts' intermediate size (0: none). Default: softmax top-k, no shared experts."""
         return MoeRouting(), 0
 
+    @classmethod
+    def stacked_params_for(cls, cfg: ModelConfig) -> tuple[tuple[str, str, object], ...]:
+        """The checkpoint names feeding fused parameters in a model of ``cfg`` (MoE
+        architectures add their experts'); also what an MTP draft layer of it loads by."""
+        return cls.stacked_params
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.config = cfg

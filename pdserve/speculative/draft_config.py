@@ -1,4 +1,5 @@
-"""EAGLE and EAGLE3 draft heads: what a checkpoint directory says, checked against the target.
+"""EAGLE and EAGLE3 draft heads, and a target's own MTP layer: what a checkpoint directory
+says, checked against the target.
 
 Split from ``draft_model.py`` along the line between *reading a checkpoint's config and
 layout* and *the module that runs*: ``DraftConfig.from_dir`` reads ``config.json`` and
@@ -27,6 +28,18 @@ EAGLE3 layouts read (one model, only names and config shapes differ):
   says it was trained (``embed_requires_grad``): then the checkpoint's own
   ``embed_tokens`` is used.
 
+MTP ("NextN", GLM-4.5's built-in draft): ``--speculative-algorithm EAGLE`` (or SGLang's
+``NEXTN``) with a *target* checkpoint as the draft directory (what
+``config_checks.default_draft_model_path`` picks without --speculative-draft-model-path,
+as SGLang does) drafts with the checkpoint's first multi-token-prediction layer,
+``model.layers.{num_hidden_layers}.*``: ``eh_proj`` (EAGLE's ``fc`` over
+cat(enorm(embed), hnorm(feature))), ``enorm``, ``hnorm``, one decoder layer shaped as the
+target's (its MLP a MoE block when the checkpoint stores ``mlp.gate``) and
+``shared_head.norm``. Its ``embed_tokens`` and ``shared_head.head`` are copies of the
+target's: the target's are used, shared (SGLang and vLLM's loaders do the same). The
+feature is EAGLE's, the target's final normed hidden state: SGLang's and vLLM's targets
+hand the MTP layer their post-norm output, which ``hnorm`` normalises again.
+
 Target layers the features come from: ``eagle_config.eagle_aux_hidden_state_layer_ids``
 follows SGLang (id i is the *output* of target layer i, the residual stream
 entering layer i + 1); a top-level ``eagle_aux_hidden_state_layer_ids`` (vLLM,
@@ -39,16 +52,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
 from pdserve.model.loader import checkpoint_files, iter_checkpoint
-from pdserve.model.model_config import ModelConfig, ModelConfigError
+from pdserve.model.model_config import Fp8Config, ModelConfig, ModelConfigError
+from pdserve.model.registry import architecture_class, supported_architectures
 
 ALGORITHMS = ("EAGLE", "EAGLE3")
+# The draft layouts a DraftConfig names (``layout``); "mtp": the target's own NextN layer.
+MTP_LAYOUT = "mtp"
 _ARCHITECTURES = {
     "EAGLE": ("LlamaForCausalLMEagle", "LlamaForCausalLM"),
     "EAGLE3": ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM"),
@@ -74,7 +90,9 @@ class DraftConfig:
     own_embed: bool = False         # the checkpoint's embed_tokens, not the target's
     own_head: bool = True           # EAGLE3: the checkpoint's lm_head (else the target's)
     has_d2t: bool = True            # EAGLE3: a d2t map (else draft ids are target ids)
-    layout: str = "sglang"          # eagle | sglang (also vLLM's names) | speculators: for the log
+    layout: str = "sglang"          # eagle | sglang (also vLLM's names) | speculators | mtp
+    # MTP: the checkpoint prefix of the NextN layer drafted with (model.layers.{num_hidden_layers}.).
+    mtp_prefix: str = ""
 
     @property
     def hidden_size(self) -> int:
@@ -83,6 +101,16 @@ class DraftConfig:
     @property
     def num_layers(self) -> int:
         return self.layer.num_layers
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.layout == MTP_LAYOUT
+
+    @property
+    def quant(self) -> Fp8Config | None:
+        """The FP8 layout of the draft's stored weights, read by the loader (an MTP layer is
+        quantised as its target is; EAGLE heads ship float weights)."""
+        return self.layer.quant if self.is_mtp else None
 
     @property
     def feature_width(self) -> int:
@@ -102,6 +130,8 @@ class DraftConfig:
             raise DraftConfigError(f"--speculative-draft-model-path {draft_dir}: no config.json")
         raw: dict[str, Any] = json.loads(path.read_text())
         archs = raw.get("architectures") or []
+        if _nextn_count(raw):  # a target checkpoint (EAGLE heads have no NextN layers)
+            return cls._mtp(draft_dir, raw, algorithm, target)
         speculators = "speculators_model_type" in raw or "transformer_layer_config" in raw or any(
             a in _SPECULATORS_ARCHITECTURES for a in archs)
         if algorithm == "EAGLE":
@@ -141,6 +171,43 @@ class DraftConfig:
                 "(EAGLE3 heads may differ)")
         _check_vocab(draft_dir, layer, target)
         return cls("EAGLE", layer, bool(raw.get("bias", True)), target.vocab_size, (), layout="eagle")
+
+    @classmethod
+    def _mtp(cls, draft_dir: Path, raw: dict[str, Any], algorithm: str, target: ModelConfig) -> "DraftConfig":
+        """A target checkpoint as the draft: its first NextN layer (see the module docstring)."""
+        if algorithm != "EAGLE":
+            raise DraftConfigError(f"{draft_dir} is a target checkpoint with multi-token-prediction (NextN) "
+                                   f"layers; they draft with --speculative-algorithm EAGLE (or NEXTN), not "
+                                   f"{algorithm}")
+        try:
+            own = ModelConfig.from_hf(raw)
+        except (ModelConfigError, KeyError) as exc:
+            raise DraftConfigError(f"{draft_dir}: {exc}") from None
+        if own.nextn_layers == 0:
+            raise DraftConfigError(
+                f"{draft_dir}: num_nextn_predict_layers = {_nextn_count(raw)}, but pdserve drafts with NextN "
+                f"layers only for {', '.join(mtp_architectures())}, not {own.architecture}")
+        if own.nextn_layers != 1:
+            raise DraftConfigError(f"{draft_dir}: num_nextn_predict_layers = {own.nextn_layers}: MTP drafts with "
+                                   "one NextN layer (GLM-4.5 and DeepSeek-V3 ship one), as SGLang's")
+        for name in ("architecture", "hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(own, name) != getattr(target, name):
+                raise DraftConfigError(f"{draft_dir}: {name} {getattr(own, name)} differs from the target's "
+                                       f"{getattr(target, name)}: an MTP layer drafts for its own model")
+        prefix = f"model.layers.{own.num_layers}."
+        names = {n[len(prefix):] for n in _tensor_names(draft_dir) if n.startswith(prefix)}
+        missing = [n for n in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
+                               "self_attn.o_proj.weight") if n not in names]
+        if missing:
+            raise DraftConfigError(f"{draft_dir}: num_nextn_predict_layers = 1 but the checkpoint lacks the NextN "
+                                   f"layer's {', '.join(prefix + n for n in missing)}")
+        # One decoder layer at draft layer 0, shaped as the target's; its MLP is the MoE
+        # block when the checkpoint stores a router for it (GLM-4.5's NextN layer is sparse).
+        sparse = (0,) if "mlp.gate.weight" in names else ()
+        moe = replace(own.moe, sparse_layers=sparse) if own.moe is not None else None
+        layer = replace(own, num_layers=1, moe=moe, nextn_layers=0)
+        return cls("EAGLE", layer, False, target.vocab_size, (), own_embed=False, own_head=False, has_d2t=False,
+                   layout=MTP_LAYOUT, mtp_prefix=prefix)
 
     @classmethod
     def _eagle3(cls, draft_dir: Path, raw: dict[str, Any], target: ModelConfig, layout: str) -> "DraftConfig":
@@ -190,6 +257,16 @@ class DraftConfig:
         return cls("EAGLE3", layer, "fc.bias" in names, vd, _capture_layers(draft_dir, raw, target),
                    target_hidden_size=target_hidden, norm_before_residual=bool(raw.get("norm_before_residual")),
                    own_embed=own_embed, own_head=own_head, has_d2t=has_d2t, layout=layout)
+
+
+def _nextn_count(raw: dict[str, Any]) -> int:
+    value = raw.get("num_nextn_predict_layers")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def mtp_architectures() -> tuple[str, ...]:
+    """The registered architectures whose checkpoints' NextN layers pdserve drafts with."""
+    return tuple(a for a in supported_architectures() if architecture_class(a).nextn_layers_key is not None)
 
 
 def _layer_config(draft_dir: Path, raw: dict[str, Any]) -> ModelConfig:
@@ -283,12 +360,16 @@ def _tensor_names(model_dir: Path) -> set[str]:
 _FINGERPRINT_BYTES = 1 << 16
 
 
-def draft_identity(draft_dir: str | Path, algorithm: str) -> str:
-    """A fingerprint of a draft checkpoint (algorithm, config, each weight file's name,
-    size and first and last bytes). Prefill and decode compare theirs: equal, decode may
-    start from the draft state prefill computed. A collision would cost acceptance only,
-    never output: every drafted token is verified by the target."""
+def draft_identity(draft_dir: str | Path, algorithm: str, layout: str = "") -> str:
+    """A fingerprint of a draft checkpoint (algorithm, layout, config, each weight file's
+    name, size and first and last bytes). Prefill and decode compare theirs: equal, decode
+    may start from the draft state prefill computed. A collision would cost acceptance
+    only, never output: every drafted token is verified by the target. An MTP draft's
+    directory is the target checkpoint: "MTP" in the hash keeps it apart from that
+    checkpoint used any other way, and two servers of the same model agree."""
     h = hashlib.sha256(algorithm.encode())
+    if layout == MTP_LAYOUT:
+        h.update(b"/MTP")
     draft_dir = Path(draft_dir)
     h.update((draft_dir / "config.json").read_bytes())
     for path in sorted(checkpoint_files(draft_dir)):

@@ -15,6 +15,12 @@ state and predicts the token after next:
           layers 1.. are plain Llama decoder layers (vLLM's and the
           speculators library's definition); logits = lm_head(norm(h)) over a
           draft vocabulary whose ids map to target ids through ``d2t`` offsets.
+  MTP     the target checkpoint's NextN layer (DeepSeek-V3 / GLM-4.5):
+          h0 = fc(cat(enorm(embed(x)), hnorm(f))) (checkpoint ``eh_proj``), then one
+          full decoder layer shaped as the target's (input norm, attention, its MoE
+          block or dense MLP), then ``shared_head.norm``; f is EAGLE's feature or the
+          layer's own previous (normed) output, as SGLang carries it; logits from the
+          target's lm_head. Checkpoint: ``model.layers.{num_hidden_layers}.*``.
 
 This module is the head as it runs: its parameters, how checkpoint tensor names map
 onto them (every layout's first layer, ``midlayer.`` or ``layers.0.``, is our
@@ -34,8 +40,10 @@ from torch import nn
 
 from pdserve.model.attention import AttentionBackend, ForwardContext
 from pdserve.model.layers import ColumnParallelLinear, Embedding, Linear, LMHead, RMSNorm, RotaryEmbedding
+from pdserve.model.kv_quant import is_kv_scale_name
 from pdserve.model.loader import WeightLoadError, build_model
 from pdserve.model.parallel import TPGroup
+from pdserve.model.registry import architecture_class
 from pdserve.model.transformer import MLP, STACKED_PARAMS, Attention, DecoderLayer
 from pdserve.speculative.draft_config import ALGORITHMS, DraftConfig, DraftConfigError
 
@@ -77,8 +85,15 @@ class EagleDraftModel(nn.Module):
         eagle3 = cfg.algorithm == "EAGLE3"
         in_fc = 3 * (cfg.target_hidden_size or h) if eagle3 else 2 * h
         self.fc = ColumnParallelLinear(in_fc, {0: h}, cfg.fc_bias, TPGroup(), "fc")
-        self.layers = nn.ModuleList([DraftLayer(cfg, tp)] + [DecoderLayer(cfg.layer, i, tp)
-                                                             for i in range(1, cfg.num_layers)])
+        first: nn.Module = DecoderLayer(cfg.layer, 0, tp) if cfg.is_mtp else DraftLayer(cfg, tp)
+        self.layers = nn.ModuleList([first] + [DecoderLayer(cfg.layer, i, tp) for i in range(1, cfg.num_layers)])
+        if cfg.is_mtp:
+            # The NextN layer's norms of the embedding and of the feature, and shared_head.norm.
+            self.enorm = RMSNorm(h, cfg.layer.rms_norm_eps)
+            self.hnorm = RMSNorm(h, cfg.layer.rms_norm_eps)
+            self.norm = RMSNorm(h, cfg.layer.rms_norm_eps)
+            # Its decoder layer loads as a target layer does (MoE experts into fused stacks).
+            self.stacked_params = architecture_class(cfg.layer.architecture).stacked_params_for(cfg.layer)
         if cfg.own_embed:
             self.embed_tokens = Embedding(cfg.layer.vocab_size, h)
         if eagle3:
@@ -121,13 +136,31 @@ class EagleDraftModel(nn.Module):
             return "layers.0." + name[len("midlayer."):]
         return name
 
+    @staticmethod
+    def mtp_name(name: str, prefix: str) -> str | None:
+        """Our parameter name for a tensor of the target checkpoint an MTP draft loads from:
+        the NextN layer's (under ``prefix``) only, its embedding and head copies and KV
+        scales skipped (the target's are used; the draft KV pool has scale 1.0)."""
+        if not name.startswith(prefix):
+            return None
+        rest = name[len(prefix):]
+        if rest.startswith(("embed_tokens.", "shared_head.head.")) or is_kv_scale_name(name) \
+                or rest.endswith("rotary_emb.inv_freq"):
+            return None
+        mapped = {"eh_proj.weight": "fc.weight", "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+                  "shared_head.norm.weight": "norm.weight"}
+        return mapped.get(rest, "layers.0." + rest)
+
     @classmethod
     def load(cls, draft_dir: str | Path, cfg: DraftConfig, embed: Embedding, target_head: LMHead,
              device: torch.device, dtype: torch.dtype, tp: TPGroup = TPGroup()) -> "EagleDraftModel":
         # Built on the device in its dtype (d2t stays int64); the target's embedding and
         # lm_head are shared by reference, not copied (they are not submodules).
-        model = build_model(lambda: cls(cfg, embed, target_head, tp), Path(draft_dir), device, dtype,
-                            rename=lambda name: cls.checkpoint_name(name, cfg.own_embed))
+        # An MTP layer's fp8 weights (an FP8 target checkpoint) are dequantised (a rename
+        # keeps build_model from switching layers to the FP8 GEMM).
+        rename = ((lambda name: cls.mtp_name(name, cfg.mtp_prefix)) if cfg.is_mtp
+                  else (lambda name: cls.checkpoint_name(name, cfg.own_embed)))
+        model = build_model(lambda: cls(cfg, embed, target_head, tp), Path(draft_dir), device, dtype, rename=rename)
         for module in model.modules():
             if isinstance(module, Linear):
                 module.prepack()
@@ -156,6 +189,9 @@ class EagleDraftModel(nn.Module):
         embed = self.embed_tokens if self.config.own_embed else self._shared[0]
         emb = embed(input_ids)
         first = self.layers[0]
+        if self.config.is_mtp:
+            h = first(self.fc(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1)), ctx)
+            return self.norm(h)
         if self.config.algorithm == "EAGLE":
             residual = self.fc(torch.cat([emb, hidden], dim=-1))
             x = residual
@@ -172,7 +208,8 @@ class EagleDraftModel(nn.Module):
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the draft vocabulary (EAGLE, or no own lm_head: the target vocabulary)."""
+        """Float32 logits over the draft vocabulary (EAGLE, MTP (``h`` is normed already), or no
+        own lm_head: the target vocabulary)."""
         _, target_head = self._shared
         if self.config.algorithm == "EAGLE":
             return target_head(h).float()

@@ -1,4 +1,5 @@
-"""EAGLE / EAGLE3 speculative decoding: the draft side of every round.
+"""EAGLE / EAGLE3 (and MTP: EAGLE with the target's own NextN layer) speculative decoding:
+the draft side of every round.
 
 The scheduler owns slots and finishing; this module owns the draft model, the
 draft KV pool and the target-feature pool, and does the tree math:
@@ -87,13 +88,13 @@ class EagleWorker:
                         self.num_draft_tokens)
         draft_dir = Path(args.speculative_draft_model_path)
         self.config = DraftConfig.from_dir(draft_dir, self.algorithm, runner.config)
-        self.identity = draft_identity(draft_dir, self.algorithm)  # compared across a PD pair
+        self.identity = draft_identity(draft_dir, self.algorithm, self.config.layout)  # compared across a PD pair
         target = runner.model
         self.draft = EagleDraftModel.load(draft_dir, self.config, target.model.embed_tokens, target.lm_head,
                                           self.device, runner.dtype, runner.tp)
         lay = self.config.layer
         logger.info("draft head: %s, %s layout, %d layer(s), hidden %d, draft vocab %d%s%s", self.algorithm,
-                    self.config.layout, self.config.num_layers, lay.hidden_size, self.config.draft_vocab_size,
+                    "MTP (the checkpoint's NextN layer)" if self.config.is_mtp else self.config.layout, self.config.num_layers, lay.hidden_size, self.config.draft_vocab_size,
                     ", own embedding" if self.config.own_embed else "",
                     "" if self.config.own_head or self.algorithm == "EAGLE" else ", the target's lm_head")
         # One KV layer per draft layer, slot-indexed like the target pool, this rank's heads,
