@@ -160,3 +160,18 @@ def test_readme_sglang_section_is_true():
     with pytest.raises(ConfigError) as exc:
         ServerArgs(trust_remote_code=True)
     assert all(arch in str(exc.value) for arch in supported_architectures())
+
+
+def test_ctrl_c_while_the_server_imports_prints_no_traceback():
+    """A Ctrl-C in the first seconds (torch still importing, before the server's own
+    handlers) ends the launcher quietly with 130, as a shell expects."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "--port", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # the interpreter is up; the imports take seconds more
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
