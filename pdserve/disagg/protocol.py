@@ -182,6 +182,9 @@ class Handshake:
     # The per-position target feature decode's draft reads ("features" in wanted):
     # the residual streams entering these target layers, or () = the final normed hidden state.
     feature_layers: tuple[int, ...] = ()
+    # What the prefill rank's engine needs to write into this rank's memory, base64
+    # (NIXL's agent metadata: the memory keys); "" for engines that need none (Mooncake).
+    engine_metadata: str = ""
 
 
 @dataclass(frozen=True)
