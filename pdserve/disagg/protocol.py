@@ -163,7 +163,7 @@ class RankInfo:
     tp_size: int
     host: str
     port: int            # the rank's handshake / control socket
-    session_id: str      # its transfer-engine session (host:rpc_port)
+    session_id: str      # its transfer-engine session (Mooncake: host:rpc_port; NIXL: its agent name)
     compat: CompatRecord
     layout: KVLayout
 
