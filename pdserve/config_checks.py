@@ -245,7 +245,7 @@ def _check_disaggregation(args: "ServerArgs", bad: Any) -> None:
                   "and transfer ports would accept anyone on the network (give the same "
                   f"{flag('disaggregation_secret')} or {flag('disaggregation_secret_file')} to every "
                   "server of the deployment)")
-    if backend_refused is not None:  # registered, not available yet (nixl)
+    if backend_refused is not None:  # registered, not available yet
         raise bad("disaggregation_transfer_backend", backend_refused)
 
 def _check_speculative(args: "ServerArgs", bad: Any) -> None:

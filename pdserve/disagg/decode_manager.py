@@ -125,7 +125,7 @@ class DecodeTransferManager(_Side):
                 self._handshakes[addr] = event
             self._link.send(addr, P.Handshake(self.decode_id, self.tp_rank, self.tp_size, self.engine.session_id,
                                               self._link.addr, self.compat, self.layout, self.wanted,
-                                              self.feature_layers))
+                                              self.feature_layers, self.engine.metadata()))
             if not event.wait(self.cfg.handshake_timeout_s):
                 raise HandshakeError(f"prefill rank {info.tp_rank} at {addr} did not answer the handshake within "
                                      f"{self.cfg.handshake_timeout_s:g} s (do both servers use the same "

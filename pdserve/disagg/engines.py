@@ -4,7 +4,7 @@
 class as a ``"module:Class"`` string, imported only when that engine is asked for (an
 engine's module may load native libraries; the config validates names without loading
 any). A name that is accepted but cannot run yet is listed with its reason instead of a
-class (``nixl``): the flag takes it and the server refuses it at startup with that reason.
+class: the flag takes it and the server refuses it at startup with that reason.
 
 Each engine class declares, on the class (no engine is built to find out):
 
@@ -65,7 +65,7 @@ class EngineEntry:
 # name -> engine. The first is the default of --disaggregation-transfer-backend.
 TRANSFER_ENGINES: dict[str, EngineEntry] = {
     "mooncake": EngineEntry("pdserve.disagg.transfer:MooncakeTransfer"),
-    "nixl": EngineEntry(unavailable="nixl is not supported yet; use mooncake"),
+    "nixl": EngineEntry("pdserve.disagg.nixl_engine:NixlTransfer"),
 }
 DEFAULT_TRANSFER_ENGINE = "mooncake"
 

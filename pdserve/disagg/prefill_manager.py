@@ -172,7 +172,9 @@ class PrefillTransferManager(_Side):
                 # The draft KV is head-sharded like the target's: each rank sends what it owes.
                 # Features or draft state: decode's choice per request (TransferRequest).
                 draft_plan = plan_transfer(self.layout, hs.layout, draft, self.tp_rank, self.draft_head_ranges)
-        except HandshakeError as exc:
+            # What the engine needs to write into decode's memory (NIXL: its agent metadata).
+            self.engine.add_peer(hs.session_id, hs.engine_metadata)
+        except (HandshakeError, TransferError) as exc:
             self._link.send(hs.control_addr, P.HandshakeReply(self._link.addr, False, str(exc)))
             return
         with self._lock:
@@ -222,9 +224,11 @@ class PrefillTransferManager(_Side):
             decode_id = self._by_addr.pop(addr, None)
             if decode_id is None:
                 return
-            self._peers.pop(decode_id, None)
+            peer = self._peers.pop(decode_id, None)
             rooms = [r for r, pr in self._rooms.items() if decode_id in pr.requests]
         self.rooms.fail_all(f"decode server {addr} stopped answering heartbeats", "peer_dead", rooms)
+        if peer is not None:
+            self.engine.remove_peer(peer.handshake.session_id)
 
     # ---- scheduler-facing ----------------------------------------------------------
     def open(self, room: int) -> None:

@@ -163,7 +163,7 @@ class RankInfo:
     tp_size: int
     host: str
     port: int            # the rank's handshake / control socket
-    session_id: str      # its transfer-engine session (host:rpc_port)
+    session_id: str      # its transfer-engine session (Mooncake: host:rpc_port; NIXL: its agent name)
     compat: CompatRecord
     layout: KVLayout
 
@@ -182,6 +182,9 @@ class Handshake:
     # The per-position target feature decode's draft reads ("features" in wanted):
     # the residual streams entering these target layers, or () = the final normed hidden state.
     feature_layers: tuple[int, ...] = ()
+    # What the prefill rank's engine needs to write into this rank's memory, base64
+    # (NIXL's agent metadata: the memory keys); "" for engines that need none (Mooncake).
+    engine_metadata: str = ""
 
 
 @dataclass(frozen=True)

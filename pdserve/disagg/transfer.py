@@ -73,6 +73,17 @@ class TransferEngine(Protocol):
 
     def register(self, ptr: int, length: int) -> None: ...
 
+    def metadata(self) -> str:
+        """What a peer needs to write into this engine's registered memory, sent in the
+        handshake ("" when the session id is enough, as for Mooncake)."""
+        ...
+
+    def add_peer(self, session_id: str, metadata: str) -> None:
+        """Load a peer's ``metadata()`` before writing to it (TransferError if unusable)."""
+        ...
+
+    def remove_peer(self, session_id: str) -> None: ...
+
     def write(self, peer_session: str, batch: WriteBatch) -> None: ...
 
     def close(self) -> None: ...
@@ -172,6 +183,15 @@ class MooncakeTransfer:
                 raise TransferError(f"Mooncake register_memory({ptr:#x}, {length}) failed with {rc}")
             self._registered.add((ptr, length))
 
+    def metadata(self) -> str:
+        return ""  # peers find this engine by its session id (host:rpc_port)
+
+    def add_peer(self, session_id: str, metadata: str) -> None:
+        pass
+
+    def remove_peer(self, session_id: str) -> None:
+        pass
+
     def write(self, peer_session: str, batch: WriteBatch) -> None:
         for part in split_batch(batch):
             rc = self._engine.batch_transfer_sync_write(peer_session, list(part.src), list(part.dst),
@@ -219,6 +239,15 @@ class LocalTransfer:
         self.reaches_device_memory = cuda_copy is not None or not torch.cuda.is_available()
 
     def register(self, ptr: int, length: int) -> None:
+        pass
+
+    def metadata(self) -> str:
+        return ""
+
+    def add_peer(self, session_id: str, metadata: str) -> None:
+        pass
+
+    def remove_peer(self, session_id: str) -> None:
         pass
 
     def write(self, peer_session: str, batch: WriteBatch) -> None:

@@ -1,6 +1,6 @@
 """The transfer engine registry (pdserve/disagg/engines.py): a name resolves to its class,
 imported when asked for; an unknown name lists the known ones; a registered name that
-cannot run yet (nixl) is accepted by the flag and refused at startup with its reason;
+cannot run yet is accepted by the flag and refused at startup with its reason;
 capabilities (what the startup staging check reads) come from the class, no engine built."""
 
 from __future__ import annotations
@@ -64,15 +64,23 @@ def test_the_flag_choices_come_from_the_registry():
         ServerArgs(disaggregation_transfer_backend="ucx")
 
 
-def test_nixl_is_accepted_then_refused_at_startup_with_its_reason():
-    assert "nixl" in TRANSFER_BACKENDS and unavailable_reason("nixl") == "nixl is not supported yet; use mooncake"
-    assert unavailable_reason("mooncake") is None
-    with pytest.raises(TransferEngineUnavailable, match="nixl is not supported yet"):
-        make_transfer_engine("nixl", host="127.0.0.1")
-    args = ServerArgs.from_cli(["--disaggregation-transfer-backend", "nixl"])  # colocated: not used
+def test_a_name_not_available_yet_is_accepted_then_refused_at_startup_with_its_reason(monkeypatch):
+    assert unavailable_reason("later", FAKE) == "later: not yet" and unavailable_reason("fake", FAKE) is None
+    assert unavailable_reason("mooncake") is None and unavailable_reason("nixl") is None
+    with pytest.raises(TransferEngineUnavailable, match="later: not yet"):
+        make_transfer_engine("later", host="127.0.0.1", registry=FAKE)
+    monkeypatch.setitem(TRANSFER_ENGINES, "later", FAKE["later"])
+    monkeypatch.setattr("pdserve.config_checks.TRANSFER_BACKENDS", transfer_engine_names())
+    args = ServerArgs(disaggregation_transfer_backend="later")  # colocated: not used
+    assert args.disaggregation_transfer_backend == "later"
+    with pytest.raises(ConfigError, match="--disaggregation-transfer-backend: later: not yet"):
+        ServerArgs(disaggregation_mode="prefill", disaggregation_transfer_backend="later")
+
+
+def test_nixl_is_available():
+    assert transfer_engine_class("nixl").__name__ == "NixlTransfer"  # imports no NIXL library (lazily loaded)
+    args = ServerArgs.from_cli(["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nixl"])
     assert args.disaggregation_transfer_backend == "nixl"
-    with pytest.raises(ConfigError, match="--disaggregation-transfer-backend: nixl is not supported yet; use mooncake"):
-        ServerArgs.from_cli(["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nixl"])
 
 
 def test_capabilities_are_read_from_the_class_without_building_an_engine(monkeypatch):

@@ -1,5 +1,6 @@
 """Failures across a real prefill/decode pair: each reaches the client with a reason, in
-seconds not minutes, and leaves both pools full."""
+seconds not minutes, and leaves both pools full (a peer killed mid-transfer and an aborted
+room on each transfer engine, Mooncake and NIXL)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ def target(tmp_path_factory):
     return build_random_model(tmp_path_factory.mktemp("pdfail") / "t", "llama", num_layers=2)
 
 
-def start_pair(target, boot: int, prefill_extra: tuple[str, ...] = ()):
+def start_pair(target, boot: int, prefill_extra: tuple[str, ...] = (), backend: str = "mooncake"):
     fast = ["--disaggregation-heartbeat-interval", "0.2", "--disaggregation-heartbeat-misses", "3",
-            "--disaggregation-bootstrap-timeout", "3", "--disaggregation-waiting-timeout", "20"]
+            "--disaggregation-bootstrap-timeout", "3", "--disaggregation-waiting-timeout", "20",
+            "--disaggregation-transfer-backend", backend]
     p = ServerProcess(target, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot), *fast,
                       *prefill_extra)
     d = ServerProcess(target, "--disaggregation-mode", "decode", *fast)
@@ -84,12 +86,13 @@ def test_prefill_death_fails_waiting_decode_rooms_within_heartbeats(target):
         p.close()
 
 
-def test_decode_death_mid_transfer_fails_prefill_rooms_within_heartbeats(target):
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_decode_death_mid_transfer_fails_prefill_rooms_within_heartbeats(target, backend):
     """Decode dies while prefill is still computing and sending a long prompt in small
     chunks: prefill fails the room within the heartbeat deadline, its client gets the
     reason, its pages all come back, and the server keeps serving."""
     boot = free_port()
-    p, d = start_pair(target, boot, ("--chunked-prefill-size", "4"))
+    p, d = start_pair(target, boot, ("--chunked-prefill-size", "4"), backend)
     try:
         long_prompt = dict(body(3, boot), input_ids=[5 + i % 80 for i in range(1000)])
         box: dict = {}
@@ -107,7 +110,7 @@ def test_decode_death_mid_transfer_fails_prefill_rooms_within_heartbeats(target)
         assert failures.get("peer_dead", 0) + failures.get("transfer_error", 0) == 1, failures
         p.assert_pools_full()
         # A new decode server pairs with the same prefill server.
-        d2 = ServerProcess(target, "--disaggregation-mode", "decode")
+        d2 = ServerProcess(target, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend)
         try:
             ok: dict = {}
             ts = [post_async(p.url + "/generate", body(4, boot), {}), post_async(d2.url + "/generate", body(4, boot), ok)]
@@ -118,6 +121,37 @@ def test_decode_death_mid_transfer_fails_prefill_rooms_within_heartbeats(target)
         finally:
             d2.close()
         p.assert_pools_full()
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_a_room_aborted_mid_transfer_fails_on_both_sides_and_frees_both_pools(target, backend):
+    """The prefill leg of a long prompt is aborted (/abort_request) while its KV is being
+    sent in small chunks: decode's client hears that prefill failed the request, both
+    pools come back whole (decode's pages once prefill acknowledged its last write), and
+    the pair serves the next request."""
+    boot = free_port()
+    p, d = start_pair(target, boot, ("--chunked-prefill-size", "4"), backend)
+    try:
+        long_prompt = dict(body(5, boot), input_ids=[5 + i % 80 for i in range(1000)], rid="abort-me")
+        boxes: tuple[dict, dict] = ({}, {})
+        threads = [post_async(p.url + "/generate", long_prompt, boxes[0]),
+                   post_async(d.url + "/generate", dict(long_prompt, rid="decode-leg"), boxes[1])]
+        wait_until(lambda: disagg_state(p)["rooms"]["transferring"] == 1, 20.0)
+        assert p.client.post("/abort_request", json={"rid": "abort-me"}).status_code == 200
+        for t in threads:
+            t.join(30)
+        assert boxes[1]["seconds"] < 30
+        assert "prefill failed the request" in abort_message(boxes[1]["response"]), boxes[1]["response"].text
+        p.assert_pools_full()
+        d.assert_pools_full()
+        ok: dict = {}
+        ts = [post_async(p.url + "/generate", body(6, boot), {}), post_async(d.url + "/generate", body(6, boot), ok)]
+        for th in ts:
+            th.join(60)
+        assert ok["response"].status_code == 200 and len(ok["response"].json()["output_ids"]) == 8
     finally:
         d.close()
         p.close()

@@ -1,6 +1,7 @@
-"""A real prefill server and a real decode server (separate processes, Mooncake over TCP on
-loopback): requests sent to both with one bootstrap room come back from decode equal to the
-colocated engine, for plain and speculative decode; bad PD fields are refused."""
+"""A real prefill server and a real decode server (separate processes, Mooncake or NIXL over
+TCP on loopback): requests sent to both with one bootstrap room come back from decode equal
+to the colocated engine, for plain and speculative decode, on either transfer engine; bad PD
+fields are refused."""
 
 from __future__ import annotations
 
@@ -61,13 +62,15 @@ def pd_generate_all(p: ServerProcess, d: ServerProcess, boot_port: int, prompts:
 
 @contextlib.contextmanager
 def pd_pair(target, boot_port: int, prefill_flags: tuple[str, ...] = (),
-            decode_flags: tuple[str, ...] = ()) -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    """A prefill server (its bootstrap server on `boot_port`) and a decode server; both
-    pools must be full at the end of a test that passed."""
+            decode_flags: tuple[str, ...] = (), backend: str = "mooncake"
+            ) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A prefill server (its bootstrap server on `boot_port`) and a decode server, both on
+    transfer engine `backend`; both pools must be full at the end of a test that passed."""
+    engine = ("--disaggregation-transfer-backend", backend)
     p = ServerProcess(target, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot_port),
-                      *prefill_flags)
+                      *engine, *prefill_flags)
     try:
-        d = ServerProcess(target, "--disaggregation-mode", "decode", *decode_flags)
+        d = ServerProcess(target, "--disaggregation-mode", "decode", *engine, *decode_flags)
         try:
             yield p, d
             p.assert_pools_full()
@@ -78,13 +81,15 @@ def pd_pair(target, boot_port: int, prefill_flags: tuple[str, ...] = (),
         p.close()
 
 
-@pytest.mark.parametrize("decode_spec", [False, True], ids=["plain", "decode-eagle"])
-def test_pd_servers_equal_colocated(dirs, make_engine, decode_spec):
+@pytest.mark.parametrize("backend,decode_spec", [("mooncake", False), ("mooncake", True), ("nixl", False),
+                                                 ("nixl", True)],
+                         ids=["plain", "decode-eagle", "nixl-plain", "nixl-decode-eagle"])
+def test_pd_servers_equal_colocated(dirs, make_engine, backend, decode_spec):
     target, draft = dirs
     rng, prompts, ref = prompts_and_reference(make_engine, target, 3, 6, 5, 60, GREEDY)
     boot = free_port()
     extra = ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft)) if decode_spec else ()
-    with pd_pair(target, boot, ("--chunked-prefill-size", "16"), extra) as (p, d):
+    with pd_pair(target, boot, ("--chunked-prefill-size", "16"), extra, backend) as (p, d):
         outs = pd_generate_all(p, d, boot, prompts, GREEDY, [rng.getrandbits(63) for _ in prompts])
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
         if decode_spec:

@@ -12,11 +12,18 @@
    forged frames just under it are refused on their MAC, unparsed, in milliseconds;
 4. a bootstrap_host that is not a plain host (a path, a fragment) or not allowed is a
    400 naming it, and nothing is fetched;
+5. on NIXL, a forged handshake carrying another agent's metadata (the memory keys a
+   prefill rank would write a room's KV with) is dropped unread, and the room's KV goes
+   only to the real decode server; one signed with the secret but carrying metadata
+   NIXL cannot load is refused with a reason;
+6. every socket a NIXL pair listens on is on the interface of --host (loopback here);
+   Mooncake's transfer ports listen on every interface;
 and after each attack the servers are healthy and a normal request is answered."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -41,11 +48,29 @@ PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target = build_random_model(tmp_path_factory.mktemp("sec") / "t", "llama", num_layers=2)
+def target(tmp_path_factory):
+    return build_random_model(tmp_path_factory.mktemp("sec") / "t", "llama", num_layers=2)
+
+
+def _pair(target, backend: str):
     boot = free_port()
     flags = ("--disaggregation-secret", SECRET)
-    with pd_pair(target, boot, flags, flags + ("--disaggregation-allowed-prefill", "127.0.0.1")) as (p, d):
+    return boot, pd_pair(target, boot, flags, flags + ("--disaggregation-allowed-prefill", "127.0.0.1"),
+                         backend=backend)
+
+
+@pytest.fixture(scope="module")
+def pair(target):
+    boot, servers = _pair(target, "mooncake")
+    with servers as (p, d):
+        yield p, d, boot
+
+
+@pytest.fixture(scope="module")
+def nixl_pair(target):
+    pytest.importorskip("nixl_cu12", reason="the nixl extra (pip install -e '.[nixl]') is not installed")
+    boot, servers = _pair(target, "nixl")
+    with servers as (p, d):
         yield p, d, boot
 
 
@@ -238,3 +263,105 @@ def test_bootstrap_addresses_are_checked_before_anything_is_fetched(pair, host, 
     assert time.monotonic() - t0 < 30  # refused, not retried against the named address
     assert httpx.get(d.url + "/health", timeout=10).status_code == 200
     normal_request_works(p, d, boot)
+
+
+def listening_sockets(server) -> set[tuple[str, int]]:
+    """Every (address, port) a server's process tree listens on."""
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    return {(c.laddr.ip, c.laddr.port) for proc in [root, *root.children(recursive=True)]
+            for c in proc.net_connections("all") if c.status == psutil.CONN_LISTEN}
+
+
+def test_a_nixl_pair_listens_only_on_the_interface_of_its_host(nixl_pair, pair):
+    p, d, boot = nixl_pair
+    normal_request_works(p, d, boot)  # the transfer engines have connected
+    for server in (p, d):
+        listens = listening_sockets(server)
+        assert listens and all(ip == "127.0.0.1" for ip, _ in listens), (server.url, sorted(listens))
+    # Mooncake's RPC and data ports listen on every interface whatever --host says.
+    mp, md, mboot = pair
+    normal_request_works(mp, md, mboot)
+    assert any(ip in ("0.0.0.0", "::") for server in (mp, md) for ip, _ in listening_sockets(server))
+
+
+def _rank(boot: int) -> P.RankInfo:
+    """The prefill rank as the registry lists it to a holder of the secret."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{boot}/health", timeout=10) as r:
+        ident = json.loads(r.read())["id"]
+    listing = P.Authenticator(SECRET.encode(), "a-test-client")
+    req = urllib.request.Request(f"http://127.0.0.1:{boot}/ranks", headers={
+        "X-Pdserve-Auth": P.encode(P.Heartbeat("x"), listing, to=ident).decode()})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        (rank,) = [P.from_body(P.RankInfo, b) for b in json.loads(r.read())["ranks"]]
+    return rank
+
+
+def test_forged_nixl_metadata_is_dropped_and_the_kv_goes_only_to_decode(nixl_pair):
+    """A forger's NIXL agent, with memory registered for the KV, sends the prefill rank a
+    handshake carrying its metadata and a transfer request for a room decode is waiting
+    on (unsigned, with another key, signed for another server): all dropped unread; the
+    forger's memory stays untouched and the decode server gets the room's answer."""
+    import torch
+
+    from pdserve.disagg.nixl_engine import NixlTransfer
+
+    p, d, boot = nixl_pair
+    expected = normal_request_works(p, d, boot)
+    rank = _rank(boot)
+    prefill_addr = state(p)["disaggregation"]["control_addr"]
+    refused = state(p)["disaggregation"]["refused_messages"]
+    slots = len(PROMPT) + 4
+    forger = NixlTransfer("127.0.0.1")
+    trap = torch.zeros(slots * max(b.slot_bytes for b in rank.layout.buffers), dtype=torch.uint8)
+    forger.register(trap.data_ptr(), trap.numel())
+    layout = dataclasses.replace(rank.layout, buffers=tuple(
+        dataclasses.replace(b, ptr=trap.data_ptr(), num_slots=slots) for b in rank.layout.buffers))
+    evil_addr, room = f"tcp://127.0.0.1:{free_port()}", random.getrandbits(62)
+    handshake = P.Handshake("decode-forger-r0", 0, 1, forger.session_id, evil_addr, rank.compat, layout,
+                            tuple(b.name for b in rank.layout.buffers), (), forger.metadata())
+    request = P.TransferRequest(room, "decode-forger-r0", 0, tuple(range(len(PROMPT))))
+    try:
+        async def scenario() -> None:
+            async with httpx.AsyncClient(timeout=120) as c:
+                body = native_body(boot, room)
+                decode_leg = await decode_leg_admitted(c, d, body)
+                ctx = zmq.Context()
+                sock = ctx.socket(zmq.PUSH)
+                sock.connect(prefill_addr)
+                wrong_key = P.Authenticator(b"not-the-deployment-secret", evil_addr)
+                real_key = P.Authenticator(SECRET.encode(), evil_addr)
+                for msg in (handshake, request):
+                    sock.send(P.encode(msg))
+                    sock.send(P.encode(msg, wrong_key, to=prefill_addr))
+                    sock.send(P.encode(msg, real_key, to="tcp://10.9.9.9:5555"))
+                sock.close(linger=1000)
+                ctx.term()
+                await asyncio.to_thread(wait_until, lambda: state(p)["disaggregation"]["refused_messages"]
+                                        >= refused + 6, 10)
+                rp = await c.post(p.url + "/generate", json=body)
+                assert rp.status_code == 200, rp.text
+                rd = await decode_leg
+                assert rd.status_code == 200 and rd.json()["output_ids"] == expected, rd.text
+        asyncio.run(scenario())
+        assert int(trap.count_nonzero()) == 0, "the prefill server wrote KV into the forger's memory"
+        # Signed with the secret (an insider's bug, not a forgery): metadata NIXL cannot
+        # load is refused at handshake, with the reason.
+        ctx = zmq.Context()
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(evil_addr)
+        out = ctx.socket(zmq.PUSH)
+        out.connect(prefill_addr)
+        bad = dataclasses.replace(handshake, engine_metadata="AAAAAAAAAAAA")
+        out.send(P.encode(bad, P.Authenticator(SECRET.encode(), evil_addr), to=prefill_addr))
+        assert inbox.poll(10000), "no handshake reply"
+        reply = P.decode(inbox.recv(), P.Authenticator(SECRET.encode(), evil_addr))
+        out.close(linger=0)
+        inbox.close(linger=0)
+        ctx.term()
+        assert isinstance(reply, P.HandshakeReply) and not reply.ok
+        assert "NIXL refused the metadata" in reply.error, reply.error
+    finally:
+        forger.close()
+    assert normal_request_works(p, d, boot) == expected
