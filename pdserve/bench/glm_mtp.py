@@ -9,9 +9,10 @@ weighs on disk and in memory (CPU, one run).
     step's (round's) time is (time to generate NEW+1 tokens - time to generate 1) / the
     decode steps (verify rounds: ``spec_verify_ct``, the most any request of the batch
     took) for the same prompts, so prefill cancels out, as in decode_step.py; the median
-    of ``--repeats``. The NextN layer is random, so its acceptance here means nothing: the
-    number to read is the cost ratio. A round costing X plain steps pays off once it emits
-    more than X tokens per round (accepted drafts + the bonus token).
+    of ``--repeats``, which alternate between the configurations' engines (machine noise
+    hits all alike). The NextN layer is random, so its acceptance here means nothing: the
+    number to read is the cost ratio. A round costing X plain steps pays off once it
+    emits more than X tokens per round (accepted drafts + the bonus token).
 
 (b) FP8 checkpoint memory. Measured on the tiny GLM-4.5 written as a block-fp8 checkpoint
     (`build_fp8_checkpoint`, 128x128 blocks): fp8 bytes (weights + scales) stored vs the
@@ -27,6 +28,7 @@ weighs on disk and in memory (CPU, one run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import random
 import statistics
@@ -264,39 +266,54 @@ class RoundRow:
     config: str
     batch: int
     ms: list[float]            # per decode step (plain) or verify round (MTP), one per repeat
+    ratios: list[float]        # ms / the plain step's ms of the same repeat
     tokens_per_round: float    # output tokens per step / round and request
     same_as_plain: bool
 
-    @property
-    def median_ms(self) -> float:
-        return statistics.median(self.ms)
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-def time_rounds(engine: Any, prompts: list[list[int]], new: int, repeats: int) -> tuple[list[float], float, list]:
-    """ms per decode step / verify round (one per repeat), tokens per round, greedy outputs."""
-    params = {"temperature": 0.0, "ignore_eos": True}
-    engine.generate(input_ids=prompts, sampling_params=dict(params, max_new_tokens=4))  # warm-up
-    # Prefill + first token: the best of three (a run slowed by a neighbour would
-    # otherwise exceed the full runs' and make the round time negative).
-    one = float("inf")
-    for _ in range(3):
+class _Timed:
+    """One engine and batch: generations of 1 token (prefill + the first token) and of
+    NEW+1 tokens, a pair per `repeat`; a step's (round's) time is the full generation's
+    less the fastest 1-token one seen (`ms`)."""
+
+    def __init__(self, engine: Any, prompts: list[list[int]], new: int) -> None:
+        self.engine, self.prompts, self.new = engine, prompts, new
+        engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=4))  # warm-up
+        self.one = float("inf")
+        self.runs: list[tuple[float, int]] = []  # (seconds, steps or rounds) of each full generation
+        self.tokens_per_round = 1.0
+        self.outputs: list[list[int]] = []
+
+    def _generate(self, tokens: int) -> tuple[float, list[dict[str, Any]]]:
         t0 = time.perf_counter()
-        engine.generate(input_ids=prompts, sampling_params=dict(params, max_new_tokens=1))
-        one = min(one, time.perf_counter() - t0)
-    ms, per_round, outs = [], 0.0, []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=dict(params, max_new_tokens=new + 1))
-        full = time.perf_counter() - t0
+        outs = self.engine.generate(input_ids=self.prompts, sampling_params=dict(GREEDY, max_new_tokens=tokens))
+        return time.perf_counter() - t0, outs
+
+    def repeat(self) -> None:
+        # The fastest prefill of all: one slowed by a neighbour would otherwise exceed a
+        # full run's and make the step time negative.
+        self.one = min(self.one, self._generate(1)[0])
+        full, outs = self._generate(self.new + 1)
         verify = [o["meta_info"].get("spec_verify_ct", 0) for o in outs]
-        rounds = max(verify) or new  # plain decoding: one step per token after the first
-        ms.append((full - one) / rounds * 1e3)
-        per_round = new / (sum(verify) / len(verify)) if max(verify) else 1.0
-    return ms, per_round, [o["output_ids"] for o in outs]
+        # Plain decoding: one step per token after the first; MTP: the batch ran as many
+        # rounds as its longest-running request.
+        self.runs.append((full, max(verify) or self.new))
+        if max(verify):
+            self.tokens_per_round = self.new / (sum(verify) / len(verify))
+        self.outputs = [o["output_ids"] for o in outs]
+
+    @property
+    def ms(self) -> list[float]:
+        return [(full - self.one) / rounds * 1e3 for full, rounds in self.runs]
 
 
 def round_costs(model_dir: Path, batch_sizes: list[int], shapes: list[tuple[int, int, int]], new: int,
                 repeats: int, prompt_len: int, seed: int) -> list[RoundRow]:
+    """Every configuration's engine stays open and the repeats alternate between them, so
+    machine noise hits the plain step and the rounds alike (the ratio is per repeat)."""
     from pdserve import Engine
 
     rng = random.Random(seed)
@@ -307,30 +324,32 @@ def round_costs(model_dir: Path, batch_sizes: list[int], shapes: list[tuple[int,
         configs.append((f"MTP ({s},{k},{n})", dict(speculative_algorithm="EAGLE", speculative_num_steps=s,
                                                    speculative_eagle_topk=k, speculative_num_draft_tokens=n)))
     rows: list[RoundRow] = []
-    plain: dict[int, list] = {}
-    for name, kw in configs:
-        with Engine(model_path=str(model_dir), disable_radix_cache=True, max_total_tokens=8192, **kw) as engine:
-            for b in batch_sizes:
-                ms, per_round, outs = time_rounds(engine, prompts[:b], new, repeats)
-                plain.setdefault(b, outs)
-                rows.append(RoundRow(name, b, ms, per_round, outs == plain[b]))
+    with contextlib.ExitStack() as stack:
+        engines = [stack.enter_context(Engine(model_path=str(model_dir), disable_radix_cache=True,
+                                              max_total_tokens=8192, **kw)) for _, kw in configs]
+        for b in batch_sizes:
+            timed = [_Timed(engine, prompts[:b], new) for engine in engines]
+            for _ in range(repeats):
+                for t in timed:
+                    t.repeat()
+            for (name, _), t in zip(configs, timed):
+                ratios = [x / p for x, p in zip(t.ms, timed[0].ms)]
+                rows.append(RoundRow(name, b, t.ms, ratios, t.tokens_per_round, t.outputs == timed[0].outputs))
     return rows
 
 
 def print_round_table(rows: list[RoundRow]) -> None:
-    step = {r.batch: r.median_ms for r in rows if r.config == "plain"}
-    print("| config | batch | ms per step / round (median) | repeats (ms) | round / plain step | "
-          "tokens per round (random draft) | outputs equal plain |")
+    print("| config | batch | ms per step / round (median) | repeats (ms) | round / plain step (median of the "
+          "repeats' ratios) | tokens per round (random draft) | outputs equal plain |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.config} | {r.batch} | {r.median_ms:.2f} | {' / '.join(f'{x:.2f}' for x in r.ms)} | "
-              f"{r.median_ms / step[r.batch]:.2f} | {r.tokens_per_round:.2f} | "
-              f"{'yes' if r.same_as_plain else 'NO'} |")
+        print(f"| {r.config} | {r.batch} | {statistics.median(r.ms):.2f} | {' / '.join(f'{x:.2f}' for x in r.ms)} | "
+              f"{statistics.median(r.ratios):.2f} | {r.tokens_per_round:.2f} | {'yes' if r.same_as_plain else 'NO'} |")
     print("\nAcceptance on random weights is meaningless (the NextN layer is random): read the cost ratio. "
           "A round costing X plain steps pays off when it emits more than X tokens per round:")
     for r in rows:
         if r.config != "plain":
-            print(f"  {r.config} at batch {r.batch}: a round costs {r.median_ms / step[r.batch]:.2f} plain steps")
+            print(f"  {r.config} at batch {r.batch}: a round costs {statistics.median(r.ratios):.2f} plain steps")
 
 
 # ---------------------------------------------------------------------- main
