@@ -170,8 +170,13 @@ def test_ctrl_c_while_the_server_imports_prints_no_traceback():
 
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.launch_server", "--port", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)  # the interpreter is up; the imports take seconds more
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        time.sleep(0.5)  # the interpreter is up; the imports take seconds more
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # it went on to serve: stop it (and fail below)
+            proc.kill()
+            out, err = proc.communicate()
     assert proc.returncode == 130, (proc.returncode, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
