@@ -55,6 +55,34 @@ def cpu_prepack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed if float((got - want).abs().max()) <= 1e-5 * scale else None
 
 
+def keep_fp8_weight(weight: nn.Parameter, group: int, scale_varies_along_input: bool, input_start: int,
+                    what: str) -> nn.Parameter:
+    """Switch the meta-device ``weight`` [..., rows, cols] in place to float8_e4m3fn
+    (its attributes, the weight_loader among them, kept) and return its new fp32 scales
+    parameter [..., rows, ceil(cols / group)] (no loader yet): the layout the FP8 GEMM
+    reads (model/fp8.py `gemm_scale`). Refused, naming ``what``: a ``group`` the GEMM
+    cannot run, and a TP shard whose input columns start at ``input_start`` inside a
+    block of scales that vary along the input (block layouts): its activation groups
+    would straddle two weight scales."""
+    if group < 16 or group & (group - 1):
+        raise WeightShapeError(f"{what}: FP8 weight blocks {group} columns wide: the FP8 GEMM needs a "
+                               "power of two of at least 16")
+    if scale_varies_along_input and input_start % group:
+        raise WeightShapeError(
+            f"{what}: this TP rank's input columns start at {input_start}, inside a {group}-column "
+            f"block of the FP8 weight scales: --tp-size must split {what}'s input at multiples of {group}")
+    *lead, rows, cols = weight.shape
+    fp8 = nn.Parameter(torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device),
+                       requires_grad=False)
+    attrs = dict(weight.__dict__)  # its weight_loader (swap_tensors swaps __dict__ too)
+    torch.utils.swap_tensors(weight, fp8)
+    weight.__dict__.update(attrs, keep_dtype=True)  # materialize keeps float8
+    scale = nn.Parameter(torch.empty(*lead, rows, -(-cols // group), device=weight.device), requires_grad=False)
+    scale.keep_dtype = True  # type: ignore[attr-defined]  # fp32 whatever the model dtype
+    scale.fp8_scale = True  # type: ignore[attr-defined]  # loaded with its weight
+    return scale
+
+
 class Linear(nn.Module):
     """Base of the linears: y = x W^T + b, through the packed CPU kernel when prepacked,
     or through the block-scaled FP8 GEMM when `keep_fp8` made the weight float8."""
@@ -78,23 +106,8 @@ class Linear(nn.Module):
         then runs model/fp8_gemm.py. Called on the meta-device module, before its storage
         is made (loader.build_model). A TP shard whose input starts inside a block of
         scales that vary along the input (block layouts) is refused, naming the layer."""
-        if group < 16 or group & (group - 1):
-            raise WeightShapeError(f"{self.what}: FP8 weight blocks {group} columns wide: the FP8 GEMM needs a "
-                                   "power of two of at least 16")
-        if scale_varies_along_input and self.input_start % group:
-            raise WeightShapeError(
-                f"{self.what}: this TP rank's input columns start at {self.input_start}, inside a {group}-column "
-                f"block of the FP8 weight scales: --tp-size must split {self.what}'s input at multiples of {group}")
-        rows, cols = self.weight.shape
-        fp8 = nn.Parameter(torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=self.weight.device),
-                           requires_grad=False)
-        attrs = dict(self.weight.__dict__)  # its weight_loader (swap_tensors swaps __dict__ too)
-        torch.utils.swap_tensors(self.weight, fp8)
-        self.weight.__dict__.update(attrs, keep_dtype=True)  # materialize keeps float8
-        self.weight_scale = nn.Parameter(torch.empty(rows, -(-cols // group), device=self.weight.device),
-                                         requires_grad=False)
-        self.weight_scale.keep_dtype = True  # type: ignore[attr-defined]  # fp32 whatever the model dtype
-        self.weight_scale.fp8_scale = True  # type: ignore[attr-defined]  # loaded with its weight
+        self.weight_scale = keep_fp8_weight(self.weight, group, scale_varies_along_input, self.input_start,
+                                            self.what)
         _attach_loader(self.weight_scale, self._scale_loader(self.weight_scale))
         self.fp8_group = group
 

@@ -21,8 +21,9 @@ scale tensor is read first (small: 1/16384 of its weight's elements in 128x128
 blocks, 1/in per channel), so a weight finds its scale wherever the two are stored.
 An fp8 weight is then either dequantised on the host to fp32 and loaded as any other
 tensor (CPU, GPUs without FP8 tensor cores, layers without an FP8 path: embeddings,
-the LM head, MoE experts), or copied as it is, with its scales, into a layer that
-`keep_fp8` switched to the FP8 GEMM (CUDA with compute capability >= 8.9).
+the LM head), or copied as it is, with its scales, into a linear or an MoE block's
+fused expert matrices that `keep_fp8` switched to the FP8 GEMM (CUDA with compute
+capability >= 8.9).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pdserve.model.fp8 import FP8_DTYPE, Fp8ScaleError, dequantize, gemm_scale
 from pdserve.model.kv_quant import is_kv_scale_name
 from pdserve.model.layers import LMHead, Linear, WeightShapeError
 from pdserve.model.model_config import Fp8Config
+from pdserve.model.moe import ExpertStack
 
 M = TypeVar("M", bound=nn.Module)
 logger = logging.getLogger(__name__)
@@ -286,9 +288,10 @@ def _expected_names(model: nn.Module, tied: bool) -> dict[tuple[str, object], st
 
 
 def keep_fp8_layers(model: nn.Module, quant: Fp8Config, scales: dict[str, torch.Tensor]) -> None:
-    """Switch to fp8 weights (Linear.keep_fp8) each linear of the meta-device ``model``
-    whose every checkpoint part is stored in fp8 (has a scale). The LM head and
-    embeddings keep float weights: checkpoints leave them unquantised."""
+    """Switch to fp8 weights (Linear.keep_fp8, moe.ExpertStack.keep_fp8) each linear and
+    each fused expert matrix of the meta-device ``model`` whose every checkpoint part is
+    stored in fp8 (has a scale). The LM head and embeddings keep float weights:
+    checkpoints leave them unquantised."""
     group = quant.group
     if group < 16 or group & (group - 1):
         logger.warning("FP8 weight blocks %d columns wide: the FP8 GEMM needs a power of two of at least 16; "
@@ -297,12 +300,16 @@ def keep_fp8_layers(model: nn.Module, quant: Fp8Config, scales: dict[str, torch.
     parts: dict[str, list[str]] = {}
     for (name, _), ckpt in _expected_names(model, tied=False).items():
         parts.setdefault(name, []).append(ckpt)
+    varies = quant.strategy == "block"
     for module_name, module in model.named_modules():
-        if not isinstance(module, Linear) or isinstance(module, LMHead):
+        if not isinstance(module, (Linear, ExpertStack)) or isinstance(module, LMHead):
             continue
         ckpt_names = parts.get(f"{module_name}.weight", [])
         if ckpt_names and all(n in scales for n in ckpt_names):
-            module.keep_fp8(group, scale_varies_along_input=quant.strategy == "block")
+            if isinstance(module, ExpertStack):  # every expert's matrix at once (MoE gate_up / down)
+                module.keep_fp8(group, scale_varies_along_input=varies, where=module_name)
+            else:
+                module.keep_fp8(group, scale_varies_along_input=varies)
 
 
 def load_weights(model: nn.Module, model_dir: Path, rename: Callable[[str], str | None] | None = None,

@@ -29,6 +29,12 @@ the per-expert counts are read on the host once per layer (a device sync on CUDA
 which is why decode CUDA graphs are refused for MoE models (see ModelRunner). The
 shared experts' down projection is left unreduced too: with the routed partial sum
 it makes one all-reduce per layer.
+
+FP8 checkpoints on CUDA (loader.keep_fp8_layers, as for the linears): ``gate_up`` and
+``down`` hold the checkpoint's float8_e4m3fn bytes with fp32 scales per output row and
+per block width of input columns (model/fp8.py `gemm_scale`), and each expert's matmul
+is the FP8 GEMM over its token slice (model/fp8_gemm.py `fp8_linear`: activations
+quantised per token and column group). Elsewhere the experts are dequantised at load.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.layers import _attach_loader, _check_shape, _full_loader
+from pdserve.model.layers import _attach_loader, _check_shape, _full_loader, keep_fp8_weight
 from pdserve.model.model_config import ModelConfig, MoeRouting
 from pdserve.model.parallel import TPGroup, shard_range
 
@@ -67,13 +73,39 @@ def expert_stacked_params(num_experts: int, names: tuple[str, str, str], block: 
     return tuple(entries)
 
 
-class _ExpertStack(nn.Module):
-    """One fused parameter ``weight`` [E, rows, cols] holding a matrix of every expert."""
+class ExpertStack(nn.Module):
+    """One fused parameter ``weight`` [E, rows, cols] holding a matrix of every expert;
+    after `keep_fp8`, float8 with fp32 scales ``weight_scale`` [E, rows, ceil(cols / group)]
+    (each expert's as Linear.keep_fp8 holds a weight)."""
 
-    def __init__(self, shape: tuple[int, int, int], loader: Callable[[nn.Parameter], Callable]) -> None:
+    # FP8 weights: input columns per scale (0: a float weight), as Linear.fp8_group.
+    fp8_group: int = 0
+    weight_scale: nn.Parameter  # registered by keep_fp8 only
+
+    def __init__(self, shape: tuple[int, int, int], loader: Callable[[nn.Parameter], Callable],
+                 scale_loader: Callable[[nn.Parameter], Callable], input_start: int, what: str) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape))
         _attach_loader(self.weight, loader(self.weight))
+        self._scale_loader = scale_loader
+        self.input_start = input_start  # the first checkpoint input column of this rank's slice
+        self.what = what
+
+    def keep_fp8(self, group: int, scale_varies_along_input: bool, where: str = "") -> None:
+        """As Linear.keep_fp8, for every expert's matrix (called by loader.keep_fp8_layers);
+        ``where``: the module's name in the model, for the refusals."""
+        self.weight_scale = keep_fp8_weight(self.weight, group, scale_varies_along_input, self.input_start,
+                                            where or self.what)
+        _attach_loader(self.weight_scale, self._scale_loader(self.weight_scale))
+        self.fp8_group = group
+
+    def matmul(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """x [n, cols] times expert ``e``'s matrix, transposed -> [n, rows] in x's dtype."""
+        if self.fp8_group:
+            from pdserve.model.fp8_gemm import fp8_linear  # Triton: imported only where weights are fp8
+
+            return fp8_linear(x, self.weight[e], self.weight_scale[e], self.fp8_group)
+        return F.linear(x, self.weight[e])
 
 
 class FusedExperts(nn.Module):
@@ -86,21 +118,26 @@ class FusedExperts(nn.Module):
         self.intermediate = intermediate
         self.lo, self.hi = shard_range(intermediate, tp.rank, tp.size, "moe_intermediate_size")
         local = self.hi - self.lo
-        self.gate_up = _ExpertStack((num_experts, 2 * local, hidden), self._gate_up_loader)
-        self.down = _ExpertStack((num_experts, hidden, local), self._down_loader)
+        # gate_up's rows are sharded (per-row scales: any start); down's input columns start at lo.
+        self.gate_up = ExpertStack((num_experts, 2 * local, hidden), self._gate_up_loader,
+                                    lambda p: self._gate_up_loader(p, " weight scale"), 0, "experts.gate_up")
+        self.down = ExpertStack((num_experts, hidden, local), self._down_loader, self._down_scale_loader,
+                                 self.lo, "experts.down")
 
     def _expert(self, e: object, what: str) -> int:
         if not isinstance(e, int) or not 0 <= e < self.num_experts:
             raise ValueError(f"{what}: expert {e!r} out of range (the model has {self.num_experts})")
         return e
 
-    def _gate_up_loader(self, param: nn.Parameter) -> Callable[[torch.Tensor, object], None]:
+    def _gate_up_loader(self, param: nn.Parameter, suffix: str = "") -> Callable[[torch.Tensor, object], None]:
+        # Also the FP8 scales' loader (``suffix`` " weight scale"): [I, ceil(H / group)], a row
+        # per weight row, sliced alike.
         def load(loaded: torch.Tensor, shard: object = None) -> None:
             assert isinstance(shard, tuple), "expert gate/up weights load by (expert, 0 gate | 1 up)"
             e, which = shard
-            what = f"experts.{e}.{('gate', 'up')[which]}"
+            what = f"experts.{e}.{('gate', 'up')[which]}{suffix}"
             e = self._expert(e, what)
-            _check_shape(loaded, (self.intermediate, self.hidden), what)
+            _check_shape(loaded, (self.intermediate,) + tuple(param.shape[2:]), what)
             local = self.hi - self.lo
             param.data[e, which * local:(which + 1) * local].copy_(loaded[self.lo:self.hi])
         return load
@@ -110,6 +147,18 @@ class FusedExperts(nn.Module):
             e = self._expert(shard, f"experts.{shard}.down")
             _check_shape(loaded, (self.hidden, self.intermediate), f"experts.{e}.down")
             param.data[e].copy_(loaded[:, self.lo:self.hi])
+        return load
+
+    def _down_scale_loader(self, param: nn.Parameter) -> Callable[[torch.Tensor, object], None]:
+        # [H, ceil(I / group)]: this rank's input columns start at a group boundary where the
+        # scales vary along the input (keep_fp8 checks it), as RowParallelLinear's.
+        def load(loaded: torch.Tensor, shard: object = None) -> None:
+            what = f"experts.{shard}.down weight scale"
+            e = self._expert(shard, what)
+            group = self.down.fp8_group
+            _check_shape(loaded, (self.hidden, -(-self.intermediate // group)), what)
+            first = self.lo // group
+            param.data[e].copy_(loaded[:, first:first + param.shape[2]])
         return load
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -122,13 +171,12 @@ class FusedExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host: slice bounds
         grouped = x[order // k]
         out = torch.empty_like(grouped)
-        gate_up, down = self.gate_up.weight, self.down.weight
         start = 0
         for e, n in enumerate(counts):
             if n:
                 rows = grouped[start:start + n]
-                gate, up = F.linear(rows, gate_up[e]).chunk(2, dim=-1)
-                out[start:start + n] = F.linear(F.silu(gate) * up, down[e])
+                gate, up = self.gate_up.matmul(rows, e).chunk(2, dim=-1)
+                out[start:start + n] = self.down.matmul(F.silu(gate) * up, e)
                 start += n
         per_slot = torch.empty_like(out)
         per_slot[order] = out  # back to (token, slot) order
