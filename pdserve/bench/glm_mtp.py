@@ -20,9 +20,10 @@ weighs on disk and in memory (CPU, one run).
     Computed at GLM-4.5-Air's published shape (`GLM45_AIR`): the checkpoint at bf16 and
     at block fp8, and what pdserve holds: on CPU every fp8 weight dequantised (fp32 by
     default on CPU, bf16 with ``--dtype bfloat16``); on CUDA (compute capability >= 8.9)
-    the attention, dense-MLP and shared-expert linears kept in fp8 with per-row scales
-    (model/layers.py ``Linear.keep_fp8``) but the routed experts, embeddings, LM head and
-    the whole NextN draft layer dequantised to bf16.
+    the attention, dense-MLP and shared-expert linears and the routed experts kept in fp8
+    with per-row scales (model/layers.py ``Linear.keep_fp8``, model/moe.py
+    ``ExpertStack.keep_fp8``) but the embeddings, LM head and the whole NextN draft layer
+    dequantised to bf16.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class Tensors:
     cols: int = 0
     nextn: bool = False       # part of the NextN (MTP) layer: pdserve's draft loads it
     fp8: bool = False         # stored in fp8 in a block-fp8 checkpoint (a linear's weight)
-    kept_fp8_on_cuda: bool = False  # a target Linear: keep_fp8 holds it in fp8 with row scales
+    kept_fp8_on_cuda: bool = False  # a target linear or expert matrix: keep_fp8 holds it in fp8 with row scales
     fp32: bool = False        # stored and held in fp32 whatever the dtype (the routing bias)
 
     @property
@@ -127,8 +128,8 @@ def decoder_layer(s: GlmShape, count: int, moe: bool, nextn: bool) -> list[Tenso
     e, i = s.experts, s.moe_intermediate
     out += [Tensors("router", count, e, s.hidden, nextn=nextn),
             Tensors("router", count, e, nextn=nextn, fp32=True),
-            Tensors("routed experts", count * e * 2, i, s.hidden, nextn=nextn, fp8=True),
-            Tensors("routed experts", count * e, s.hidden, i, nextn=nextn, fp8=True)]
+            Tensors("routed experts", count * e * 2, i, s.hidden, **lin),
+            Tensors("routed experts", count * e, s.hidden, i, **lin)]
     if s.shared_experts:
         si = i * s.shared_experts
         out += [Tensors("shared experts", count * 2, si, s.hidden, **lin),
@@ -182,9 +183,9 @@ def memory_table(s: GlmShape) -> list[MemoryRow]:
         MemoryRow("pdserve CPU, default dtype (fp32)", held(4), "every fp8 weight dequantised at load"),
         MemoryRow("pdserve CPU, --dtype bfloat16", held(2), "every fp8 weight dequantised at load"),
         MemoryRow("pdserve CUDA cc>=8.9 (bf16), FP8 GEMM", kept + row_scales * 4 + held(2) - kept * 2,
-                  f"{kept / 1e9:.2f}B attention / dense-MLP / shared-expert weights kept in fp8 (+ "
-                  f"{row_scales * 4 / 2**20:.0f} MiB per-row fp32 scales); routed experts, embeddings, LM head "
-                  "and the NextN draft layer dequantised to bf16 (untested on a GPU)"),
+                  f"{kept / 1e9:.2f}B attention / dense-MLP / shared- and routed-expert weights kept in fp8 (+ "
+                  f"{row_scales * 4 / 2**20:.0f} MiB per-row fp32 scales); embeddings, LM head and the NextN "
+                  "draft layer dequantised to bf16 (untested on a GPU)"),
     ]
 
 

@@ -95,9 +95,9 @@ def test_air_table_matches_transformers_count(hf):
 @pytest.mark.fast
 def test_air_cuda_row_matches_pdserves_own_fp8_layers(hf, tmp_path):
     """The CUDA row: pdserve's GLM-4.5 target at the Air config on the meta device, its
-    linears switched to fp8 by the loader's own rule (keep_fp8_layers, every weight with a
-    scale: the routed experts, embeddings, LM head and router are no Linear and stay
-    float), then bytes per dtype as materialize would make them on a bf16 CUDA model.
+    linears and routed experts switched to fp8 by the loader's own rule (keep_fp8_layers,
+    every weight with a scale: embeddings, LM head and router stay float), then bytes per
+    dtype as materialize would make them on a bf16 CUDA model.
     The NextN draft is dequantised (bf16) whatever the device."""
     from pdserve.model.loader import _expected_names, keep_fp8_layers
     from pdserve.model.model_config import Fp8Config, ModelConfig
@@ -127,7 +127,10 @@ def test_air_cuda_row_matches_pdserves_own_fp8_layers(hf, tmp_path):
             held += p.numel() * 2
     target, nextn = hf
     assert sum(p.numel() for p in model.parameters() if not getattr(p, "fp8_scale", False)) == target["numel"]
-    assert 5e9 < kept < 7e9  # attention, dense MLP and shared experts; not the ~100B of routed experts
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n
+                  and p.dtype == torch.float8_e4m3fn)
+    assert experts == (AIR.layers - AIR.dense_layers) * AIR.experts * 3 * AIR.moe_intermediate * AIR.hidden
+    assert 5e9 < kept - experts < 7e9  # attention, dense MLP and shared experts
     draft = (nextn["numel"] - nextn["fp32"]) * 2 + nextn["fp32"] * 4
     rows = {r.label: r.bytes for r in memory_table(AIR)}
     assert rows["pdserve CUDA cc>=8.9 (bf16), FP8 GEMM"] == held + draft

@@ -280,9 +280,9 @@ def test_broken_fp8_checkpoints_are_refused_by_name(fp8_dirs, tmp_path):
 
 @pytest.mark.fast
 def test_kept_fp8_layers_hold_the_checkpoint_bytes_and_row_scales(fp8_dirs):
-    """With fp8 weights kept (CUDA; forced here) each linear holds the checkpoint's fp8
-    bytes and per-row scales, TP-sharded; MoE experts, router, embeddings and LM head
-    are dequantised as on a CPU."""
+    """With fp8 weights kept (CUDA; forced here) each linear and each MoE block's fused
+    experts hold the checkpoint's fp8 bytes and per-row scales, TP-sharded; router,
+    embeddings and LM head are dequantised as on a CPU."""
     fp8, ref = fp8_dirs("qwen3_moe", "fp8", "block", (16, 16))  # TP 2 splits the dense MLP's 96 at 48
     state = load_file(str(fp8 / "model.safetensors"))
     quant = ModelConfig.from_dir(fp8).quant
@@ -308,9 +308,21 @@ def test_kept_fp8_layers_hold_the_checkpoint_bytes_and_row_scales(fp8_dirs):
         kept = {n for n, p in model.named_parameters() if p.dtype == FP8_DTYPE}
         assert kept == {f"model.layers.{i}.{m}.weight" for i in range(3)
                         for m in ("self_attn.qkv_proj", "self_attn.o_proj")} | {
-            "model.layers.1.mlp.gate_up_proj.weight", "model.layers.1.mlp.down_proj.weight"}  # layer 1 is dense
-        experts = layer.mlp.experts
-        assert torch.equal(experts.down.weight, want["model.layers.0.mlp.experts.down.weight"][:, :, experts.lo:experts.hi])
+            "model.layers.1.mlp.gate_up_proj.weight", "model.layers.1.mlp.down_proj.weight"} | {
+            f"model.layers.{i}.mlp.experts.{m}.weight" for i in (0, 2) for m in ("gate_up", "down")}  # 1 is dense
+        experts = layer.mlp.experts  # every expert's rank slice of its checkpoint bytes and row scales
+        e_lo, e_hi = experts.lo, experts.hi
+        for e in (0, 7):
+            ck = f"model.layers.0.mlp.experts.{e}.down_proj.weight"
+            assert torch.equal(experts.down.weight[e].view(torch.uint8), state[ck][:, e_lo:e_hi].view(torch.uint8))
+            full = gemm_scale(state[ck + "_scale_inv"], tuple(state[ck].shape), quant, ck)
+            assert torch.equal(experts.down.weight_scale[e], full[:, e_lo // 16: e_hi // 16])
+            ck = f"model.layers.0.mlp.experts.{e}.up_proj.weight"
+            local = e_hi - e_lo
+            assert torch.equal(experts.gate_up.weight[e, local:].view(torch.uint8),
+                               state[ck][e_lo:e_hi].view(torch.uint8))
+            full = gemm_scale(state[ck + "_scale_inv"], tuple(state[ck].shape), quant, ck)
+            assert torch.equal(experts.gate_up.weight_scale[e, local:], full[e_lo:e_hi])
         if rank == 0:  # unsharded parameters equal the dequantised ones
             for n in ("model.embed_tokens.weight", "model.layers.0.mlp.gate.weight", "model.norm.weight"):
                 assert torch.equal(model.get_parameter(n), want[n])

@@ -79,7 +79,11 @@ def rand(*shape: int, seed: int) -> torch.Tensor:
 
 
 LAYOUTS = [("qwen3_moe", "fp8", "block", (128, 128)), ("glm4_moe", "fp8", "block", (16, 16)),
-           ("glm4_moe", "compressed-tensors", "channel", (128, 128))]
+           ("glm4_moe", "compressed-tensors", "channel", (128, 128)), ("mixtral", "fp8", "block", (32, 32))]
+# The checkpoint's gate and up matrices of expert {x} in layer {i}, per model.
+GATE_UP_NAMES = {"mixtral": ("model.layers.{i}.block_sparse_moe.experts.{x}.w1.weight",
+                             "model.layers.{i}.block_sparse_moe.experts.{x}.w3.weight")}
+QWEN_GATE_UP = ("model.layers.{i}.mlp.experts.{x}.gate_proj.weight", "model.layers.{i}.mlp.experts.{x}.up_proj.weight")
 
 
 @pytest.mark.parametrize("name, method, strategy, block", LAYOUTS)
@@ -106,8 +110,8 @@ def test_fp8_moe_block_computes_the_dequantised_block(name, method, strategy, bl
         assert down.weight_scale.nbytes == e * h * -(-inter // group) * 4
         # The checkpoint's bytes and scales, expert by expert; dequantised, the reference's weights.
         for x in range(e):
-            for part, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter))):
-                ck = f"model.layers.{i}.mlp.experts.{x}.{part}.weight"
+            for part, rows in zip(GATE_UP_NAMES.get(name, QWEN_GATE_UP), (slice(0, inter), slice(inter, 2 * inter))):
+                ck = part.format(i=i, x=x)
                 assert torch.equal(gu.weight[x, rows].view(torch.uint8), state[ck].view(torch.uint8))
                 scale = gemm_scale(state[ck.removesuffix("weight") + quant.scale_suffix], (inter, h), quant, ck)
                 assert torch.equal(gu.weight_scale[x, rows], scale)
