@@ -21,7 +21,7 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.registry import model_class
 from pdserve.testing import build_random_model
 from tests.conftest import GREEDY, hf_greedy, random_prompts
-from tests.model.test_moe import _ids_and_lps, assert_matches
+from tests.model.test_moe import _ids_and_lps, assert_matches, check_greedy_parity
 
 NEW = 12
 
@@ -91,16 +91,7 @@ def test_router_bias_stays_fp32_in_a_bf16_model(glm_dirs):
 @pytest.mark.fast
 @pytest.mark.parametrize("name", ["glm4_moe", "glm4_moe_qk_norm"])
 def test_greedy_tokens_and_logprobs_match_transformers(name, glm_dirs, make_engine):
-    d = glm_dirs(name)
-    prompts = random_prompts(4, 3, 70, seed=len(name))
-    ref = hf_greedy(d, prompts, NEW)
-    engine = make_engine(d)
-    params = dict(GREEDY, max_new_tokens=NEW)
-    together = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-    engine.flush_cache()  # the one-by-one run computes again
-    one_by_one = [engine.generate(input_ids=p, sampling_params=params, return_logprob=True) for p in prompts]
-    assert_matches([_ids_and_lps(o) for o in together], ref)
-    assert_matches([_ids_and_lps(o) for o in one_by_one], ref)
+    check_greedy_parity(glm_dirs(name), make_engine, seed=len(name), new=NEW)
 
 
 @pytest.mark.fast

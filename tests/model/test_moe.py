@@ -57,11 +57,15 @@ def test_layouts_are_what_the_specs_say(model_dirs):
 @pytest.mark.fast
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_greedy_tokens_and_logprobs_match_transformers(name, model_dirs, make_engine):
-    model_dir = model_dirs(name)
-    prompts = random_prompts(4, 3, 70, seed=len(name))
-    ref = hf_greedy(model_dir, prompts, NEW)
+    check_greedy_parity(model_dirs(name), make_engine, seed=len(name))
+
+
+def check_greedy_parity(model_dir, make_engine, seed: int, new: int = NEW) -> None:
+    """Greedy tokens and logprobs of pdserve's engine equal transformers', batched and one by one."""
+    prompts = random_prompts(4, 3, 70, seed=seed)
+    ref = hf_greedy(model_dir, prompts, new)
     engine = make_engine(model_dir)
-    params = dict(GREEDY, max_new_tokens=NEW)
+    params = dict(GREEDY, max_new_tokens=new)
     together = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     engine.flush_cache()  # the one-by-one run computes again
     one_by_one = [engine.generate(input_ids=p, sampling_params=params, return_logprob=True) for p in prompts]

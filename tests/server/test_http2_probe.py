@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import threading
 import time
 from typing import Any, Iterator
 
 import pytest
-import uvicorn
 
 from pdserve.server.http_connection import H2_PREFACE, protocol_class
+from tests.server.uvicorn_thread import serve_in_thread
 
 pytestmark = pytest.mark.fast
 
@@ -38,22 +37,8 @@ class App:
 @pytest.fixture
 def served() -> Iterator[tuple[int, App]]:
     app = App()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", lifespan="off", http=protocol_class(5.0),
-                                           timeout_graceful_shutdown=0.5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "test server did not start"
-        time.sleep(0.01)
-    try:
-        yield sock.getsockname()[1], app
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve_in_thread(app, log_level="info", http=protocol_class(5.0)) as port:
+        yield port, app
 
 
 def exchange(port: int, *pieces: bytes) -> bytes:

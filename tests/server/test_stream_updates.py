@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import threading
 import time
 from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
-import uvicorn
 
 from pdserve.config import ConfigError, ServerArgs
 from pdserve.sampling_params import SamplingParams
@@ -28,6 +26,7 @@ from pdserve.server.http_connection import protocol_class
 from pdserve.server.messages import TextUpdate, TokenUpdate
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.tokenizer_manager import RequestState, SampleResult, TokenizerManager, Updates
+from tests.server.uvicorn_thread import serve_in_thread
 
 LENGTH = {"type": "length", "length": 3}
 
@@ -198,22 +197,8 @@ class Endless:
 @pytest.fixture(scope="module")
 def endless() -> Iterator[tuple[int, Endless]]:
     app = Endless()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False, lifespan="off",
-                                           http=protocol_class(10.0, SEND_TIMEOUT), timeout_graceful_shutdown=0.5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "test server did not start"
-        time.sleep(0.01)
-    try:
-        yield sock.getsockname()[1], app
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve_in_thread(app, log_level="error", access_log=False, http=protocol_class(10.0, SEND_TIMEOUT)) as port:
+        yield port, app
 
 
 def open_stream(port: int) -> socket.socket:
