@@ -23,12 +23,11 @@ logger = logging.getLogger("pdserve.scheduler")
 class DecodeLog:
     """Counts decode steps and their tokens; every ``interval`` steps, one line."""
 
-    def __init__(self, interval: int, state: Callable[[], dict[str, Any]], page_size: int,
-                 clock: Callable[[], float] = time.monotonic, emit: Callable[[str], None] | None = None) -> None:
+    def __init__(self, interval: int, page_size: int, clock: Callable[[], float] = time.monotonic,
+                 emit: Callable[[str], None] | None = None) -> None:
         if interval < 1:
             raise ValueError(f"--decode-log-interval: must be >= 1, got {interval}")
         self.interval = interval
-        self.state = state
         self.page_size = page_size
         self.clock = clock
         self.emit = emit if emit is not None else logger.info
@@ -36,15 +35,18 @@ class DecodeLog:
         self.tokens = 0              # tokens those steps gained
         self.since: float | None = None  # when the first of them ran (or the last line was written)
 
-    def step(self, tokens: int) -> None:
-        """One decode step (a plain step or a speculative round) that gained ``tokens``."""
+    def step(self, tokens: int, state: Callable[[], dict[str, Any]]) -> None:
+        """One decode step (a plain step or a speculative round) that gained ``tokens``;
+        ``state`` gives the scheduler's numbers when a line is due (passed per call, not
+        kept: a scheduler holding a log that holds the scheduler would outlive its
+        shutdown until the cycle collector ran)."""
         now = self.clock()
         if self.since is None:
             self.since = now
         self.steps += 1
         self.tokens += tokens
         if self.steps >= self.interval:
-            self.emit(self.line(self.state(), self.tokens / max(now - self.since, 1e-9)))
+            self.emit(self.line(state(), self.tokens / max(now - self.since, 1e-9)))
             self.steps, self.tokens, self.since = 0, 0, now
 
     def line(self, st: dict[str, Any], throughput: float) -> str:

@@ -106,7 +106,7 @@ class Scheduler:
         self.num_forward_steps = 0
         self.num_decode_steps = 0  # decode steps and speculative rounds
         # Every --decode-log-interval decode steps one line (TP rank 0's: the ranks agree).
-        self.decode_log = (DecodeLog(args.decode_log_interval, self.state, self.page_size)
+        self.decode_log = (DecodeLog(args.decode_log_interval, self.page_size)
                            if self.decodes and tp.rank == 0 else None)
         # Compiles the grammars of constrained requests; set by the builder, which
         # holds the tokenizer (None: constrained requests are refused).
@@ -189,7 +189,7 @@ class Scheduler:
             if decoding:
                 self.num_decode_steps += 1
                 if self.decode_log is not None:
-                    self.decode_log.step(sum(len(r.output_ids) for r in batch.reqs) - before)
+                    self.decode_log.step(sum(len(r.output_ids) for r in batch.reqs) - before, self.state)
         self.mode.commit(batch, out)
         return out
 

@@ -380,15 +380,17 @@ def test_up_starts_every_server_and_the_router_with_the_keys():
     # Issue 39: without an admin key, the servers' admin routes answer loopback clients only;
     # a --host from which the router reaches them beyond loopback gets a generated key, the
     # same for every process.
+    # (A PD deployment beyond loopback needs its secret: `up` checks the servers' flags first.)
+    pd_secret = ["--disaggregation-secret", "s" * 16]
     for host in ("127.0.0.1", "0.0.0.0", "localhost", "::1"):
-        args = parse_args(["--host", host])
+        args = parse_args(["--host", host, *pd_secret])
         assert args.admin_api_key is None and not args.admin_api_key_generated, host
-    args = parse_args(["--host", "192.0.2.2"])
+    args = parse_args(["--host", "192.0.2.2", *pd_secret])
     assert args.admin_api_key_generated and len(args.admin_api_key or "") == 32
     dep = Deployment(args, threading.Event())
     for cmd in (dep._server_cmd(1, "prefill", []), dep._server_cmd(2, "decode", []), dep._router_cmd([], [])):
         assert f"--admin-api-key {args.admin_api_key}" in " ".join(cmd), cmd
-    assert parse_args(["--host", "192.0.2.2", "--admin-api-key", ADMIN]).admin_api_key == ADMIN
+    assert parse_args(["--host", "192.0.2.2", "--admin-api-key", ADMIN, *pd_secret]).admin_api_key == ADMIN
 
 
 @pytest.mark.parametrize("argv, flag", [(["--max-n", "0"], "--max-n"), (["--max-request-bytes", "100"],

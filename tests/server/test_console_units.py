@@ -80,14 +80,14 @@ def test_decode_log_numbers_are_the_state_metrics_read():
              "memory": {"kv_pages_total": 256}, "avg_spec_accept_length": 3.214}
     now = [100.0]
     lines: list[str] = []
-    log = DecodeLog(3, lambda: state, page_size=16, clock=lambda: now[0], emit=lines.append)
+    log = DecodeLog(3, page_size=16, clock=lambda: now[0], emit=lines.append)
     for tokens in (5, 15, 10):  # steps at t = 100, 101, 102: 30 tokens over the 2 s since the first
-        log.step(tokens)
+        log.step(tokens, lambda: state)
         now[0] += 1.0
     assert lines == ["Decode batch. #running-req: 5, #queue-req: 2, #token: 1,234 / 4,096 (30.13%), "
                      "gen throughput (token/s): 15.0, accept len: 3.21"]
     for tokens in (8, 8, 8):  # t = 103..105: counted from the previous line (t = 102)
-        log.step(tokens)
+        log.step(tokens, lambda: state)
         now[0] += 1.0
     assert lines[1].endswith("gen throughput (token/s): 8.0, accept len: 3.21"), lines
 
