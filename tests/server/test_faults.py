@@ -20,26 +20,30 @@ from tests.server.conftest import parse_sse_lines, pid_alive, read_data_events, 
 from tests.waiting import wait_until
 
 
-def long_stream_requests(model: str):
+def long_stream_requests(model: str, tokens: int = 960):
     """(path, body) of streaming requests that would run for many seconds."""
     return [
-        ("/v1/completions", {"model": model, "prompt": "disconnect me", "max_tokens": 960,
+        ("/v1/completions", {"model": model, "prompt": "disconnect me", "max_tokens": tokens,
                              "temperature": 0, "ignore_eos": True, "stream": True}),
         ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "bye"}],
-                                  "max_tokens": 960, "temperature": 0, "ignore_eos": True,
+                                  "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
                                   "stream": True}),
         ("/generate", {"text": "disconnect me too", "stream": True,
-                       "sampling_params": dict(GREEDY, max_new_tokens=960)}),
+                       "sampling_params": dict(GREEDY, max_new_tokens=tokens)}),
     ]
 
 
 # ---- disconnect ------------------------------------------------------------------------
-def test_disconnect_aborts_and_frees_kv(server, llama_dir):
+def test_disconnect_aborts_and_frees_kv(start_server, model_dirs):
+    # 7000-token requests on the 8k model: all three surely still run when checked (the
+    # tiny model decodes 960 tokens in about a second).
+    model_dir = model_dirs("llama_long_context")
+    server = start_server(model_dir, "--max-total-tokens", "32768")
     server.assert_pools_full()
     aborts = server.finished("abort")
     with contextlib.ExitStack() as stack:
         streams = []
-        for path, body in long_stream_requests(str(llama_dir)):
+        for path, body in long_stream_requests(str(model_dir), tokens=7000):
             r = stack.enter_context(httpx.stream("POST", server.url + path, json=body,
                                                  headers=server.headers, timeout=30.0))
             assert r.status_code == 200, (path, r.status_code, r.read()[:500])
@@ -54,6 +58,7 @@ def test_disconnect_aborts_and_frees_kv(server, llama_dir):
     wait_until(lambda: server.finished("abort") == aborts + 3, 10.0,
                what=lambda: f"3 aborts after the disconnects (state: {server.state()})")
     server.assert_pools_full()
+    server.close()
 
 
 # ---- burst -----------------------------------------------------------------------------------
