@@ -182,13 +182,14 @@ class Scheduler:
         if batch is not None:
             self.num_forward_steps += 1
             decoding = batch.mode != "prefill"
-            before = sum(len(r.output_ids) for r in batch.reqs) if decoding else 0
+            logged = decoding and self.decode_log is not None  # (only then count tokens: the decode hot path)
+            before = sum(len(r.output_ids) for r in batch.reqs) if logged else 0
             with self.guarded(lambda: batch.reqs + batch.sampling_reqs, out, f"{batch.mode} step"):
                 logits = self.forward(batch.forward)
                 self.process(batch, logits, out)
             if decoding:
                 self.num_decode_steps += 1
-                if self.decode_log is not None:
+                if logged:
                     self.decode_log.step(sum(len(r.output_ids) for r in batch.reqs) - before, self.state)
         self.mode.commit(batch, out)
         return out
