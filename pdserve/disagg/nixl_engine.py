@@ -52,7 +52,7 @@ import uuid
 from typing import Any, Iterator, Mapping
 
 from pdserve.disagg.engines import EngineCapabilities, EngineSettings
-from pdserve.disagg.transfer import TransferError, WriteBatch
+from pdserve.disagg.transfer import TransferError, WriteBatch, split_entries
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,9 @@ class NixlTransfer:
     interface. ``log_level``: the server's --log-level (NIXL's own INFO lines only at debug)."""
 
     WRITE_TIMEOUT_S = WRITE_TIMEOUT_S
+    # Entries are not cut (None): UCX's TCP transport moves one large entry at a loopback
+    # socket's speed or above, unlike Mooncake's (`python -m pdserve.bench.kv_transfer`).
+    max_entry_bytes: int | None = None
 
     @classmethod
     def capabilities(cls) -> EngineCapabilities:
@@ -275,6 +278,7 @@ class NixlTransfer:
     def _write(self, peer_session: str, batch: WriteBatch) -> None:
         import numpy as np
 
+        batch = split_entries(batch, self.max_entry_bytes)
         n = len(batch.src)
         local = np.zeros((n, 3), dtype=np.uint64)
         remote = np.zeros((n, 3), dtype=np.uint64)

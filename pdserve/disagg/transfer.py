@@ -94,6 +94,24 @@ def split_batch(batch: WriteBatch, cap: int = MAX_BATCH_ENTRIES) -> list[WriteBa
             for i in range(0, len(batch.src), cap)]
 
 
+def split_entries(batch: WriteBatch, max_entry_bytes: int | None) -> WriteBatch:
+    """``batch`` with every entry longer than ``max_entry_bytes`` cut into consecutive
+    pieces of at most that many bytes (None: as it is)."""
+    if max_entry_bytes is None or all(n <= max_entry_bytes for n in batch.lengths):
+        return batch
+    if max_entry_bytes <= 0:
+        raise ValueError(f"max_entry_bytes must be positive, got {max_entry_bytes}")
+    src: list[int] = []
+    dst: list[int] = []
+    lengths: list[int] = []
+    for s, d, n in zip(batch.src, batch.dst, batch.lengths):
+        for at in range(0, n, max_entry_bytes):
+            src.append(s + at)
+            dst.append(d + at)
+            lengths.append(min(max_entry_bytes, n - at))
+    return WriteBatch(tuple(src), tuple(dst), tuple(lengths))
+
+
 def mooncake_log_level(log_level: str) -> int:
     """The glog threshold for Mooncake at a server --log-level: all of it at debug, its
     errors otherwise (its INFO / WARNING lines describe a normal start)."""
@@ -124,6 +142,11 @@ def mooncake_reaches_gpu_memory() -> bool:
 class MooncakeTransfer:
     """Mooncake TransferEngine; ``device`` = an IB device name for RDMA, "" for TCP.
     ``log_level`` (the server's --log-level) sets how much of Mooncake's log shows."""
+
+    # Entries above this are written in pieces: Mooncake's TCP transport moves one large
+    # entry at about half a loopback socket's speed, and 512 KiB pieces at about its speed
+    # (`python -m pdserve.bench.kv_transfer`, docs/benchmarks.md). None: no split.
+    max_entry_bytes: int | None = 512 * 1024
 
     @classmethod
     def capabilities(cls) -> EngineCapabilities:
@@ -193,7 +216,7 @@ class MooncakeTransfer:
         pass
 
     def write(self, peer_session: str, batch: WriteBatch) -> None:
-        for part in split_batch(batch):
+        for part in split_batch(split_entries(batch, self.max_entry_bytes)):
             rc = self._engine.batch_transfer_sync_write(peer_session, list(part.src), list(part.dst),
                                                         list(part.lengths))
             if rc < 0:

@@ -142,19 +142,22 @@ class KVManager:
     def alloc_pages(self, n: int) -> torch.Tensor:
         return torch.tensor(self.alloc_page_ids(n), dtype=torch.int64)
 
-    def alloc_page_ids(self, n: int) -> list[int]:
+    def alloc_page_ids(self, n: int, contiguous: bool = False) -> list[int]:
+        """``n`` pages (evicting cached prefixes as needed); ``contiguous``: in the fewest
+        runs of consecutive pages (a prompt's or a transfer's KV: see PageAllocator)."""
         while self.allocator.num_free < n:
             if self.cache.evict(n - self.allocator.num_free) == 0:
                 # Admission and decode-room checks make this unreachable; if it is
                 # reached, the accounting is wrong and must not be papered over.
                 raise RuntimeError(f"KV accounting error: need {n} pages, {self.allocator.num_free} free, "
                                    f"{self.cache.evictable_pages} reported evictable")
-        return self.allocator.alloc_ids(n)
+        return self.allocator.alloc_ids(n, contiguous)
 
     def assign(self, req: Req, start: int, end: int) -> list[int]:
-        """Give positions [start, end) of ``req`` KV slots (continuing its last page);
-        returns the new pages' ids."""
-        return self.assign_many([req], [start], [end])[0]
+        """Give positions [start, end) of ``req`` (a prompt's chunk, a transfer's KV) KV
+        slots, continuing its last page, then in consecutive pages where the pool has
+        them; returns the new pages' ids."""
+        return self.assign_many([req], [start], [end], contiguous=True)[0]
 
     def open_rounds(self, reqs: list[Req], lookahead: int) -> list[list[int]]:
         """Positions [kv_len, kv_len + lookahead) of every request get slots (a speculative
@@ -183,14 +186,16 @@ class KVManager:
         if drop:
             self.allocator.release(torch.tensor(drop, dtype=torch.int64))
 
-    def assign_many(self, reqs: list[Req], starts: list[int], ends: list[int]) -> list[list[int]]:
+    def assign_many(self, reqs: list[Req], starts: list[int], ends: list[int],
+                    contiguous: bool = False) -> list[list[int]]:
         """Give each request's positions [start, end) KV slots, continuing its last page
-        (the slots after position start - 1's), then in new pages. The page choices are
-        made on the host per request and go up in one upload; the positions are expanded
-        on the device. Returns each request's new page ids."""
+        (the slots after position start - 1's), then in new pages (``contiguous``: taken
+        as the fewest runs of consecutive pages, each request's in order). The page
+        choices are made on the host per request and go up in one upload; the positions
+        are expanded on the device. Returns each request's new page ids."""
         ps, b = self.page_size, len(reqs)
         counts = [pages_for(e, ps) - pages_for(s, ps) for s, e in zip(starts, ends)]
-        ids = self.alloc_page_ids(sum(counts))
+        ids = self.alloc_page_ids(sum(counts), contiguous)
         new_pages, page_base, at = [], [], 0
         for c in counts:
             new_pages.append(ids[at: at + c])

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.disagg.layout import (PROTOCOL_VERSION, BufferSpec, CompatRecord, HandshakeError, HeadRange, KVLayout,
                                    check_compatible, feature_slice, kv_head_range, plan_transfer)
-from pdserve.disagg.transfer import LocalTransfer, WriteBatch, coalesce, split_batch
+from pdserve.disagg.transfer import LocalTransfer, WriteBatch, coalesce, split_batch, split_entries
 
 pytestmark = pytest.mark.fast
 
@@ -77,6 +77,21 @@ def test_contiguous_slots_coalesce_and_batches_split():
     assert [len(p.src) for p in parts] == [1024, 1024, 452]
     with pytest.raises(ValueError, match="destination slots"):
         plan.writes([0, 1], [2])
+
+
+def test_long_entries_split_into_pieces_that_cover_the_same_bytes():
+    batch = WriteBatch((1000, 5000), (20000, 90000), (2500, 300))
+    pieces = split_entries(batch, 1024)
+    assert pieces.lengths == (1024, 1024, 452, 300)
+    assert pieces.src == (1000, 2024, 3048, 5000) and pieces.dst == (20000, 21024, 22048, 90000)
+    assert split_entries(batch, None) is batch and split_entries(batch, 4096) is batch
+    with pytest.raises(ValueError, match="max_entry_bytes"):
+        split_entries(batch, 0)
+    # Moved through an engine, the pieces land what the whole entries would.
+    src = torch.arange(4096, dtype=torch.uint8)
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    LocalTransfer().write("local", split_entries(WriteBatch((src.data_ptr(),), (dst.data_ptr(),), (4096,)), 1000))
+    assert torch.equal(src, dst)
 
 
 @pytest.mark.parametrize("kv_heads,p_tp,d_tp", [

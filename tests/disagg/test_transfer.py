@@ -40,6 +40,8 @@ def test_mooncake_write_between_processes():
         src_layout = KVLayout(1, tuple(BufferSpec(n, t.data_ptr(), SLOTS, WIDTH * 4) for n, t in src.items()))
         plan = plan_transfer(src_layout, dst_layout, wanted=["target.L0.K", "target.L0.V"])
         src_slots, dst_slots = list(range(10, 30)), list(range(40, 60))
+        # Each buffer's run (2560 bytes) goes in pieces, as a real prompt's runs go in 512 KiB ones.
+        engine.max_entry_bytes = 1000
         engine.write(session, plan.writes(src_slots, dst_slots))
         done.put(1)
         got = {k: torch.from_numpy(v) for k, v in result.get(timeout=60).items()}

@@ -165,3 +165,23 @@ def test_the_device_budget_is_a_share_of_the_whole_device(caplog):
     with caplog.at_level("WARNING"):
         device_kv_budget(free=10 * gib, total=10 * gib + weights, held=weights, fraction=0.99)
     assert "leaves" in caplog.text
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_reserved_or_prefilled_request_gets_consecutive_slots_on_a_fragmented_pool(page_size):
+    """A transfer writes one entry per run of consecutive slots on both sides: a PD
+    reserve and a prompt's chunk skip the holes single pages left (the stack's top)."""
+    kv = manager(page_size)
+    singles = [kv.alloc_pages(1) for _ in range(20)]
+    kv.allocator.release(torch.cat(singles[::2]))  # 10 one-page holes, on top of the stack
+    r = req(list(range(6, 70)))
+    slots = kv.reserve(r, 64)
+    assert slots == list(range(slots[0], slots[0] + 64))
+    prompt = req(list(range(6, 70)))
+    prompt.row = kv.req_table.alloc()
+    kv.assign(prompt, 0, 32)
+    kv.assign(prompt, 32, 64)
+    first, second = kv.slots(prompt, 0, 32), kv.slots(prompt, 32, 64)
+    assert first == list(range(first[0], first[0] + 32)) and second == list(range(second[0], second[0] + 32))
+    # The holes are still there for a decode step's single pages.
+    assert sorted(kv.alloc_page_ids(10)) == sorted(p.item() for p in singles[::2])

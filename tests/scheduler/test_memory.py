@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -266,3 +268,83 @@ def test_copy_slots_all_layers():
 def test_bytes_per_token():
     assert TokenToKVPool.bytes_per_token(2, 4, 8, torch.float32) == 2 * 2 * 4 * 8 * 4
     assert TokenToKVPool.bytes_per_token(3, 1, 16, torch.bfloat16) == 2 * 3 * 1 * 16 * 2
+
+
+# ---- runs of consecutive pages (what a transfer coalesces) -------------------------
+def runs(pages: list[int]) -> int:
+    return 1 + sum(b != a + 1 for a, b in zip(pages, pages[1:]))
+
+
+def fragmented() -> tuple[PageAllocator, list[int]]:
+    """Pages 1..19 held one by one, then 2-4, 7-12 and 15-19 freed: free runs of 3, 6, 5."""
+    a = PageAllocator(20, 1)
+    held = a.alloc_ids(19)
+    assert held == list(range(1, 20))
+    a.release(torch.tensor([*range(2, 5), *range(7, 13), *range(15, 20)]))
+    return a, held
+
+
+def test_contiguous_alloc_takes_the_shortest_free_run_that_holds_it():
+    a, _ = fragmented()
+    assert a.alloc_ids(4, contiguous=True) == [15, 16, 17, 18]
+    assert a.alloc_ids(3, contiguous=True) == [2, 3, 4]
+    assert a.alloc_ids(6, contiguous=True) == list(range(7, 13))
+    assert a.num_free == 1 and a.alloc_ids(1) == [19]
+
+
+def test_contiguous_alloc_without_a_long_enough_run_takes_the_longest_runs_in_address_order():
+    a, _ = fragmented()
+    assert a.alloc_ids(10, contiguous=True) == [*range(7, 13), *range(15, 19)]
+    # The stack still hands out exactly the pages left free (the run pages left stale entries).
+    assert sorted(a.alloc_ids(4)) == [2, 3, 4, 19]
+    with pytest.raises(OutOfPages):
+        a.alloc_ids(1)
+
+
+def test_a_freed_run_comes_back_ascending_from_the_stack():
+    a = PageAllocator(12, 1)
+    first = a.alloc_ids(5)
+    a.alloc_ids(3)
+    a.release(torch.tensor(first[::-1]))
+    assert a.alloc_ids(5) == first
+
+
+def test_mixed_stack_and_run_allocations_keep_every_page_accounted():
+    rng = random.Random(0)
+    a = PageAllocator(300, 1)
+    held: list[list[int]] = []
+    for step in range(3000):
+        if held and (rng.random() < 0.45 or a.num_free < 40):
+            pages = held.pop(rng.randrange(len(held)))
+            a.release(torch.tensor(pages))
+        else:
+            n = rng.randint(1, 40)
+            held.append(a.alloc_ids(n, contiguous=rng.random() < 0.5))
+            assert len(held[-1]) == n
+        flat = [p for pages in held for p in pages]
+        assert len(flat) == len(set(flat)) and 0 not in flat
+        assert a.num_free == a.capacity - len(flat) == int((a.refcount[1:] == 0).sum())
+    for pages in held:
+        a.release(torch.tensor(pages))
+    assert sorted(a.alloc_ids(a.capacity)) == list(range(1, 300))
+
+
+def interleaved_pool() -> PageAllocator:
+    """8 running requests whose decode steps took one page each from the stack, 300
+    times, interleaving their pages; then 5 of them finished."""
+    rng = random.Random(1)
+    a = PageAllocator(4001, 1)
+    live = [a.alloc_ids(100, contiguous=True) for _ in range(8)]
+    for _ in range(300):
+        for pages, new in zip(live, a.alloc_ids(len(live))):
+            pages.append(new)
+    for pages in rng.sample(live, 5):
+        a.release(torch.tensor(pages))
+    return a
+
+
+def test_a_prompt_stays_in_long_runs_after_decode_steps_interleaved_the_pool():
+    """A new prompt taken from the stack is scattered in short runs there; run
+    allocation finds it whole runs."""
+    assert runs(interleaved_pool().alloc_ids(512)) > 100
+    assert runs(interleaved_pool().alloc_ids(512, contiguous=True)) <= 2
