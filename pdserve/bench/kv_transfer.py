@@ -25,14 +25,19 @@ both sides become one entry per buffer) as:
 - fully shuffled: page size 1, the destination slots a random permutation (the worst
   case: one entry per token per buffer).
 
-The raw socket sends the same bytes from the same buffers (``sendall`` per buffer,
-``recv_into`` one sink) in the same case. Each figure is the best of ``--repeats`` writes
-(fewer once a pattern has taken ``--pattern-seconds``), after one warm-up write (the
-first write to a peer includes its connection). A batch of more than ``--max-entries``
-entries is measured on its first ``--max-entries`` entries (marked ``*``): per-entry cost
-dominates there, so the prefix's GB/s is the whole batch's, and Mooncake needs ~20 s for
-half a million 512-byte entries. Memory: about ``2 * pool-factor`` times the largest
-request, split between the two processes.
+The raw socket sends the same bytes from the same buffers (``sendall`` per buffer on one
+connection, ``recv_into`` one sink, a one-byte acknowledgement per message), measured
+first in each case, before either side has an engine (NIXL's UCX progress thread polls:
+on a small machine it would take CPU from the socket; the engines' writes run with their
+threads, as in a server). Each figure is the best of at least ``--repeats`` writes after
+one warm-up write (the first write to a peer includes its connection); a fast write is
+repeated for 0.3 s (at most 100 times), and no new write starts once a pattern has taken
+``--pattern-seconds``. Every pattern written whole is checked on the receiver: its
+destination slots, blanked before, hold the sender's values in every buffer. A batch of
+more than ``--max-entries`` entries is timed on its first ``--max-entries`` entries
+(marked ``*``): per-entry cost dominates there, so the prefix's GB/s is the whole batch's,
+and Mooncake needs ~20 s for half a million 512-byte entries. Memory: about
+``2 * --pool-factor`` times the largest request, split between the two processes.
 
 Part 2, TTFT split (``--ttft-engine``): a prefill and a decode scheduler (each with its
 own engine over loopback TCP, in one process) serve one long prompt at a time; the time to
@@ -776,7 +781,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = {key: sizes_of(SHAPES[key], args.sizes_mib, args.tokens, args.max_bytes) for key in args.shapes}
     if any(sizes.values()):
         extent = has_extent_policy()
-        print(f"KV writes through the transfer plan, two processes on {HOST}; best of {args.repeats} "
+        print(f"KV writes through the transfer plan, two processes on {HOST}; best of at least {args.repeats} "
               f"(at most {args.pattern_seconds:g} s of repeats per pattern). Scatter: the pool after churn "
               f"({churn.pool_factor:g}x the request, filled to {churn.fill:.0%}, {churn.steps} decode steps, "
               f"prompts in chunks of {churn.chunk}); stack: PageAllocator.alloc_ids(n) everywhere; extent: "
