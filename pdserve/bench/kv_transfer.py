@@ -210,10 +210,8 @@ def churn_slots(tokens: int, page_size: int, *, seed: int, extent: bool, reserve
                 return
             req = _SimReq(prompt, rng.randint(1, churn.max_output))
             live.append(req)
-            for end in range(min(churn.chunk, prompt), prompt + churn.chunk, churn.chunk):
-                grow(req, min(end, prompt), **runs)
-                if end >= prompt:
-                    break
+            for start in range(0, prompt, churn.chunk):
+                grow(req, min(start + churn.chunk, prompt), **runs)
 
     filled, step, warm, warm_cap = False, 0, 0, 10 * churn.steps
     while step < churn.steps:
@@ -243,8 +241,8 @@ def churn_slots(tokens: int, page_size: int, *, seed: int, extent: bool, reserve
     if reserve:
         grow(req, tokens, **runs)
     else:
-        for end in range(churn.chunk, tokens + churn.chunk, churn.chunk):
-            grow(req, min(end, tokens), **runs)
+        for start in range(0, tokens, churn.chunk):
+            grow(req, min(start + churn.chunk, tokens), **runs)
     return [req.pages[i // ps] * ps + i % ps for i in range(tokens)]
 
 
@@ -268,10 +266,9 @@ def run_length(src: Sequence[int], dst: Sequence[int]) -> float:
 @dataclass(frozen=True)
 class Pattern:
     """One way of placing the request's slots: its column and its slots on each side."""
-    key: str            # "contiguous", "unsplit", "shuffle", "stack p1", "extent p16", ...
+    key: str            # "contiguous", "shuffle", "stack p1", "extent p16", ...
     src: tuple[int, ...]
     dst: tuple[int, ...]
-    unsplit: bool = False  # measured with the engine's max_entry_bytes = None
 
     @property
     def tokens_per_run(self) -> float:
@@ -747,7 +744,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="page sizes of the realistic scatter")
     ap.add_argument("--repeats", type=_positive_int("--repeats"), default=3)
     ap.add_argument("--max-bytes", type=_positive_float("--max-bytes"), default=2.5e9,
-                    help="skip requests with more KV bytes than this")
+                    help="skip requests with more KV bytes than this (the two pools hold about "
+                         "2 x --pool-factor times the largest request)")
     ap.add_argument("--max-entries", type=_positive_int("--max-entries"), default=32768,
                     help="time at most this many entries of a batch (its first ones; marked *)")
     ap.add_argument("--pattern-seconds", type=_positive_float("--pattern-seconds"), default=2.0,

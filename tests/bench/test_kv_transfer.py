@@ -25,6 +25,7 @@ class RecordingAllocator(PageAllocator):
     """The real allocator (the stack); each call's page count and `contiguous` recorded."""
 
     calls: list[tuple[int, bool | None]]
+    last: "RecordingAllocator"  # the latest one built (churn_slots builds its own)
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         super().__init__(num_pages, page_size)
