@@ -627,6 +627,20 @@ def sizes_of(shape: Shape, sizes_mib: Sequence[float], tokens: Sequence[int], ma
 
 # ---- part 2: the TTFT split ---------------------------------------------------------------
 
+TTFT_PHASE_TIMEOUT_S = 300.0
+
+
+def _until(done: Callable[[], bool], step: Callable[[], None], what: str,
+           timeout_s: float = TTFT_PHASE_TIMEOUT_S) -> None:
+    """Run ``step`` until ``done()``; RuntimeError naming ``what`` after ``timeout_s`` (a
+    lost transfer must not spin the benchmark forever)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"TTFT split: {what} did not come within {timeout_s:g} s")
+        step()
+
+
 def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size: int,
                engine_name: str = "mooncake") -> dict[str, float]:
     """Median phase times (seconds) of ``repeats`` single-request handoffs."""
@@ -660,36 +674,38 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
     rng = random.Random(tokens)
     vocab = colo.vocab_size
     phases: dict[str, list[float]] = {k: [] for k in ("colocated", "prefill", "transfer", "commit", "total")}
+
+    def both() -> None:
+        p.step()
+        d.step()  # decode connects, reserves and asks for the KV
+
+    def arrived(room: int) -> bool:
+        state, _, reason = d.mode.manager.poll(room)
+        if state is RoomState.FAILED:
+            raise RuntimeError(f"TTFT split: the transfer of room {room} failed: {reason}")
+        return state is RoomState.SUCCESS
     try:
         for i in range(repeats + 1):  # the first round connects the pair and warms up
             prompt = [rng.randrange(3, vocab) for _ in range(tokens)]
             c = samples_from_message(builder.group(prompt, params, False, 0))[0]
             t0 = time.perf_counter()
             colo.add(c)
-            while not c.output_ids:
-                colo.step()
+            _until(lambda: bool(c.output_ids), colo.step, "the colocated first token")
             colocated = time.perf_counter() - t0
-            while colo.has_work:
-                colo.step()
+            _until(lambda: not colo.has_work, colo.step, "the colocated request's end")
             rp, rd = (samples_from_message(builder.group(prompt, params, False, 0))[0] for _ in range(2))
             for r in (rp, rd):
                 r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = HOST, 1, 1000 + i
             t0 = time.perf_counter()
             p.add(rp)
             d.add(rd)
-            while not p.mode.handoffs.count(Phase.INFLIGHT):
-                p.step()
-                d.step()  # decode connects, reserves and asks for the KV
+            _until(lambda: bool(p.mode.handoffs.count(Phase.INFLIGHT)), both, "prefill's handoff")
             t_handoff = time.perf_counter()
-            while d.mode.manager.poll(1000 + i)[0] is not RoomState.SUCCESS:
-                time.sleep(0.0002)
+            _until(lambda: arrived(1000 + i), lambda: time.sleep(0.0002), "the KV's arrival on decode")
             t_arrived = time.perf_counter()
-            while not rd.output_ids:
-                d.step()
+            _until(lambda: bool(rd.output_ids), d.step, "decode's first token")
             t_first = time.perf_counter()
-            while p.has_work or d.has_work:
-                p.step()
-                d.step()
+            _until(lambda: not (p.has_work or d.has_work), both, "the PD request's end")
             if i == 0:
                 continue
             phases["colocated"].append(colocated)
