@@ -1,36 +1,77 @@
-"""KV transfer throughput: the Mooncake engine through pdserve's transfer plan vs a raw
-loopback TCP socket moving the same bytes, between two processes.
+"""KV transfer throughput: each transfer engine (Mooncake, NIXL) through pdserve's
+transfer plan vs a raw loopback TCP socket moving the same bytes, between two processes;
+contiguous, realistically scattered and fully shuffled.
 
-    python -m pdserve.bench.kv_transfer --tokens 4096 16384 --ttft-tokens 512 2000
+    python -m pdserve.bench.kv_transfer --engines mooncake nixl --sizes-mib 1 16 64 256
 
-Part 2, TTFT split: a prefill and a decode scheduler (each with its own Mooncake
-engine over loopback TCP, in one process) serve one long prompt at a time; the
-time to the first token on decode is split into prefill (room setup + compute,
-KV of chunk i written while chunk i+1 computes), the transfer tail (the writes
-still running when the first token is drawn, plus the handoff record) and decode
-commit (admitting the request with its first token); the colocated scheduler's
-TTFT on the same prompt is the reference.
+Part 1, GB/s. For each engine, model shape and request size (``--sizes-mib``: the prompt
+length whose KV is that many MiB; ``--tokens``: prompt lengths as such), a receiver
+process registers a per-layer K/V pool like a decode server's (``--pool-factor`` times
+the request, at least 1024 slots) and the sender (this process) one like a prefill
+server's; fresh engines on both sides per case, the receiver's metadata loaded by the
+sender (``add_peer``) as the bootstrap handshake does. The sender then writes one
+request's KV through the plan (``plan_transfer(...).writes``: runs of consecutive slots on
+both sides become one entry per buffer) as:
 
-For each model shape and prompt length, the receiver registers a per-layer K/V layout
-like a decode server's; the sender writes the prompt's KV (a) as contiguous slots (one
-coalesced entry per buffer), (b) as scattered slots (page size 1, shuffled: one entry
-per token per buffer, batches capped at 1024), and the raw socket sends the same bytes
-from one contiguous buffer.  Each figure is the best of --repeats runs.
+- contiguous: slots 0..n-1 on both sides (one entry per buffer). Where the engine splits
+  entries itself (``max_entry_bytes``; Mooncake's TCP transport is faster with ~512 KiB
+  pieces), also with ``max_entry_bytes = None`` ("unsplit", the before);
+- scattered realistically, at each ``--page-sizes``: the slots a request gets on a pool
+  after churn (``churn_slots``: the real ``PageAllocator`` on each side, prefill and decode
+  independently), with the allocator's stack policy everywhere ("stack", the old
+  allocator) and, where the allocator has ``alloc_ids(n, contiguous=...)``, with runs for
+  prompt chunks and reserves ("extent"); each with its average run length (tokens per
+  joint run of consecutive slots on both sides);
+- fully shuffled: page size 1, the destination slots a random permutation (the worst
+  case: one entry per token per buffer).
+
+The raw socket sends the same bytes from the same buffers (``sendall`` per buffer on one
+connection, ``recv_into`` one sink, a one-byte acknowledgement per message), measured
+first in each case, before either side has an engine (NIXL's UCX progress thread polls:
+on a small machine it would take CPU from the socket; the engines' writes run with their
+threads, as in a server). Each figure is the best of at least ``--repeats`` writes after
+one warm-up write (the first write to a peer includes its connection); a fast write is
+repeated for 0.3 s (at most 100 times), and no new write starts once a pattern has taken
+``--pattern-seconds``. Every pattern written whole is checked on the receiver: its
+destination slots, blanked before, hold the sender's values in every buffer. A batch of
+more than ``--max-entries`` entries is timed on its first ``--max-entries`` entries
+(marked ``*``): per-entry cost dominates there, so the prefix's GB/s is the whole batch's,
+and Mooncake needs ~20 s for half a million 512-byte entries. Memory: about
+``2 * --pool-factor`` times the largest request, split between the two processes.
+
+Part 2, TTFT split (``--ttft-engine``): a prefill and a decode scheduler (each with its
+own engine over loopback TCP, in one process) serve one long prompt at a time; the time to
+the first token on decode is split into prefill (room setup + compute, KV of chunk i
+written while chunk i+1 computes), the transfer tail (the writes still running when the
+first token is drawn, plus the handoff record) and decode commit (admitting the request
+with its first token); the colocated scheduler's TTFT on the same prompt is the reference.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import math
 import multiprocessing as mp
+import os
 import random
 import socket
+import sys
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
 from pdserve.disagg.layout import BufferSpec, KVLayout, plan_transfer
+from pdserve.disagg.transfer import WriteBatch
+from pdserve.scheduler.kv_manager import pages_for
+from pdserve.scheduler.memory import PageAllocator
+
+HOST = "127.0.0.1"
+ENGINES = ("mooncake", "nixl")
 
 
 @dataclass(frozen=True)
@@ -40,10 +81,31 @@ class Shape:
     kv_heads: int
     head_dim: int
 
-    def buffers(self, slots: int) -> dict[str, torch.Tensor]:
-        return {f"target.L{i}.{kind}": torch.zeros(slots, self.kv_heads, self.head_dim)
-                for i in range(self.layers) for kind in ("K", "V")}
+    @property
+    def token_bytes(self) -> int:
+        """KV bytes of one token (K and V of every layer, float32)."""
+        return self.layers * 2 * self.kv_heads * self.head_dim * 4
 
+    def tokens_for(self, mib: float) -> int:
+        """The prompt length whose KV is ``mib`` MiB (at least one token)."""
+        return max(1, round(mib * 2**20 / self.token_bytes))
+
+    def buffers(self, slots: int, blank: bool = False) -> dict[str, torch.Tensor]:
+        """The per-layer K/V buffers: the sender's hold ``FILL[name]`` everywhere, a
+        receiver's (``blank``) ``BLANK``. Written either way: calloc'd pages would map the
+        shared zero page, and each page's first write would fault inside a timed write."""
+        return {name: torch.empty(slots, self.kv_heads, self.head_dim).fill_(BLANK if blank else FILL[name])
+                for name in self.names}
+
+    @property
+    def names(self) -> list[str]:
+        return [f"target.L{i}.{kind}" for i in range(self.layers) for kind in ("K", "V")]
+
+
+# The sender's value in each buffer (distinct per buffer: a write into the wrong buffer shows)
+# and a receiver's before a pattern is written.
+FILL = {f"target.L{i}.{kind}": float(2 * i + (kind == "V") + 1) for i in range(64) for kind in ("K", "V")}
+BLANK = -1.0
 
 SHAPES = {"demo": Shape("demo (4 layers, 4x32 KV)", 4, 4, 32),
           "wide": Shape("wide (16 layers, 8x128 KV)", 16, 8, 128)}
@@ -54,88 +116,546 @@ def layout_of(bufs: dict[str, torch.Tensor]) -> KVLayout:
                              for n, t in bufs.items()))
 
 
-def _receiver(shape: Shape, slots: int, conn) -> None:
-    from pdserve.disagg.transfer import MooncakeTransfer
+# ---- realistic scatter: a churned pool ------------------------------------------------------
 
-    engine = MooncakeTransfer("127.0.0.1")
-    bufs = shape.buffers(slots)
-    for t in bufs.values():
-        engine.register(t.data_ptr(), t.numel() * t.element_size())
-    server = socket.create_server(("127.0.0.1", 0))
-    conn.send((engine.session_id, layout_of(bufs), server.getsockname()[1]))
-    sink = bytearray(sum(t.numel() * t.element_size() for t in bufs.values()))
-    view = memoryview(sink)
-    while True:
-        cmd = conn.recv()
-        if cmd is None:
-            break
-        peer, _ = server.accept()
-        with peer:
-            got = 0
-            while got < cmd:
-                n = peer.recv_into(view[got:cmd])
-                if n == 0:
-                    break
-                got += n
-            peer.sendall(b"k")
-        conn.send(got)
-    engine.close()
+@dataclass(frozen=True)
+class Churn:
+    """The workload ``churn_slots`` runs on a pool before it allocates the measured request."""
+    pool_factor: float = 4.0   # pool size in tokens: this many times the measured request ...
+    min_pool_tokens: int = 1024  # ... and at least this many
+    fill: float = 0.9          # requests are admitted while the pool is under this fraction
+    steps: int = 300           # decode steps after the pool first reached ``fill``
+    chunk: int = 512           # prefill chunk (tokens) a prompt is allocated in
+    min_prompt: int = 16       # background prompts: log-uniform in [min_prompt, max(4 * min_prompt,
+    #                            the measured request)] tokens
+    max_output: int = 256      # background outputs: uniform in [1, max_output] tokens
+
+    def __post_init__(self) -> None:
+        for name in ("min_pool_tokens", "steps", "chunk", "min_prompt", "max_output"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Churn.{name} must be at least 1, got {getattr(self, name)}")
+        if self.pool_factor < 1.5:
+            raise ValueError(f"Churn.pool_factor must be at least 1.5, got {self.pool_factor}")
+        if not 0 < self.fill < 1:
+            raise ValueError(f"Churn.fill must be in (0, 1), got {self.fill}")
+
+    def pool_tokens(self, tokens: int) -> int:
+        return max(math.ceil(self.pool_factor * tokens), self.min_pool_tokens, tokens + self.chunk)
 
 
-def measure(shape: Shape, tokens: int, repeats: int) -> dict[str, float]:
-    from pdserve.disagg.transfer import MooncakeTransfer
+def has_extent_policy(allocator_cls: type = PageAllocator) -> bool:
+    """Whether ``allocator_cls.alloc_ids`` takes ``contiguous`` (the runs policy)."""
+    return "contiguous" in inspect.signature(allocator_cls.alloc_ids).parameters
 
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(shape, tokens, child), daemon=True)
-    proc.start()
-    session, dst_layout, port = parent.recv()
-    engine = MooncakeTransfer("127.0.0.1")
-    bufs = shape.buffers(tokens)
-    for t in bufs.values():
-        t.normal_()
-        engine.register(t.data_ptr(), t.numel() * t.element_size())
-    plan = plan_transfer(layout_of(bufs), dst_layout, list(bufs))
-    nbytes = sum(t.numel() * t.element_size() for t in bufs.values())
-    contiguous = plan.writes(list(range(tokens)), list(range(tokens)))
-    shuffled = list(range(tokens))
-    random.Random(0).shuffle(shuffled)
-    scattered = plan.writes(list(range(tokens)), shuffled)
-    src = torch.cat([t.flatten() for t in bufs.values()]).numpy().tobytes()
-    out: dict[str, float] = {"bytes": nbytes, "entries_contiguous": len(contiguous.src),
-                             "entries_scattered": len(scattered.src)}
-    for name, batch in (("mooncake_contiguous", contiguous), ("mooncake_scattered", scattered)):
-        engine.write(session, batch)  # first write to a peer includes its handshake
-        best = min(_timed(lambda: engine.write(session, batch)) for _ in range(repeats))
-        out[name] = nbytes / best / 1e9
 
-    def raw() -> None:
-        parent.send(nbytes)
-        with socket.create_connection(("127.0.0.1", port)) as s:
-            s.sendall(src)
-            s.recv(1)
-        assert parent.recv() == nbytes
-    out["raw_tcp"] = nbytes / min(_timed(raw) for _ in range(repeats)) / 1e9
-    parent.send(None)
-    proc.join(30)
-    engine.close()
+def pool_slots(tokens: int, page_sizes: Sequence[int], churn: Churn) -> int:
+    """Slots a buffer needs to hold the pool ``churn_slots`` uses at every page size."""
+    pool = churn.pool_tokens(tokens)
+    return max((pages_for(pool, ps) + 1) * ps for ps in page_sizes)
+
+
+@dataclass
+class _SimReq:
+    prompt: int
+    output: int
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0
+
+
+def churn_slots(tokens: int, page_size: int, *, seed: int, extent: bool, reserve: bool = False,
+                churn: Churn = Churn(), allocator_cls: type = PageAllocator) -> list[int]:
+    """The KV slots (``page * page_size + offset``, position order) a request of ``tokens``
+    tokens gets on a pool that has been serving, simulated with the allocator's own code.
+
+    The pool holds ``churn.pool_tokens(tokens)`` tokens in pages of ``page_size`` (plus the
+    padding page 0). Each step admits requests of random lengths while the pool is under
+    ``churn.fill`` (their prompts allocated in chunks of ``churn.chunk`` tokens, one
+    allocation per chunk), then grows every decoding request by one token: the requests
+    that need a page get them in one ``alloc_ids(k)`` for all (the scheduler's decode
+    step), which interleaves the live requests' pages; a request that reached its output
+    length is released (random lengths: random requests finish), and when a decode step
+    finds no free page a random request is retracted. After ``churn.steps`` steps past
+    the first time the pool reached ``fill``, random requests are released until the
+    measured one fits, which is then allocated in prompt chunks (a prefill server) or, with
+    ``reserve``, in one allocation (a decode server's PD reserve).
+
+    ``extent``: prompt chunks and the reserve ask the allocator for runs
+    (``alloc_ids(n, contiguous=True)``; decode growth never does); ValueError when
+    ``allocator_cls`` has no such policy. Deterministic for a ``seed``.
+    """
+    if tokens < 1 or page_size < 1:
+        raise ValueError(f"churn_slots needs tokens >= 1 and page_size >= 1 (got {tokens}, {page_size})")
+    if extent and not has_extent_policy(allocator_cls):
+        raise ValueError(f"{allocator_cls.__name__}.alloc_ids has no `contiguous` policy: no extent allocation")
+    ps = page_size
+    alloc = allocator_cls(pages_for(churn.pool_tokens(tokens), ps) + 1, ps)
+    runs = {"contiguous": True} if extent else {}
+    rng = random.Random(seed)
+    hi = max(4 * churn.min_prompt, tokens)
+    live: list[_SimReq] = []
+
+    def grow(req: _SimReq, new_len: int, **kw: bool) -> None:
+        req.pages += alloc.alloc_ids(pages_for(new_len, ps) - len(req.pages), **kw)
+        req.kv_len = new_len
+
+    def release(req: _SimReq) -> None:
+        live.remove(req)
+        alloc.release(torch.tensor(req.pages, dtype=torch.int64))
+
+    def admit() -> None:
+        while True:
+            prompt = round(math.exp(rng.uniform(math.log(churn.min_prompt), math.log(hi))))
+            need = pages_for(prompt, ps)
+            if alloc.capacity - alloc.num_free + need > churn.fill * alloc.capacity:
+                return
+            req = _SimReq(prompt, rng.randint(1, churn.max_output))
+            live.append(req)
+            for start in range(0, prompt, churn.chunk):
+                grow(req, min(start + churn.chunk, prompt), **runs)
+
+    filled, step, warm, warm_cap = False, 0, 0, 10 * churn.steps
+    while step < churn.steps:
+        admit()
+        filled = filled or alloc.capacity - alloc.num_free >= churn.fill * alloc.capacity * 0.97
+        decoding = [r for r in live if r.kv_len - r.prompt < r.output]
+        needy = [r for r in decoding if r.kv_len % ps == 0]
+        while len(needy) > alloc.num_free:  # no room for this step: retract a random request
+            victim = rng.choice(live)
+            release(victim)
+            decoding = [r for r in decoding if r is not victim]
+            needy = [r for r in needy if r is not victim]
+        new = iter(alloc.alloc_ids(len(needy)))
+        for r in decoding:
+            if r.kv_len % ps == 0:
+                r.pages.append(next(new))
+            r.kv_len += 1
+        for r in [r for r in live if r.kv_len - r.prompt >= r.output]:
+            release(r)
+        warm += 1
+        if filled or warm > warm_cap:  # (a pool that never quite reaches ``fill`` churns all the same)
+            step += 1
+    need = pages_for(tokens, ps)
+    while alloc.num_free < need:
+        release(rng.choice(live))
+    req = _SimReq(tokens, 0)
+    if reserve:
+        grow(req, tokens, **runs)
+    else:
+        for start in range(0, tokens, churn.chunk):
+            grow(req, min(start + churn.chunk, tokens), **runs)
+    return [req.pages[i // ps] * ps + i % ps for i in range(tokens)]
+
+
+def joint_runs(src: Sequence[int], dst: Sequence[int]) -> int:
+    """Runs of positions whose slots are consecutive on both sides (one write entry per
+    buffer each: what ``TransferPlan.writes`` coalesces)."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source slots but {len(dst)} destination slots")
+    if not src:
+        return 0
+    return 1 + sum(1 for i in range(1, len(src)) if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1)
+
+
+def run_length(src: Sequence[int], dst: Sequence[int]) -> float:
+    """Average tokens per joint run (``joint_runs``)."""
+    return len(src) / joint_runs(src, dst) if src else 0.0
+
+
+# ---- the cases a run measures --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pattern:
+    """One way of placing the request's slots: its column and its slots on each side."""
+    key: str            # "contiguous", "shuffle", "stack p1", "extent p16", ...
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+    @property
+    def tokens_per_run(self) -> float:
+        return run_length(self.src, self.dst)
+
+
+def patterns(tokens: int, page_sizes: Sequence[int], seed: int, churn: Churn,
+             allocator_cls: type = PageAllocator) -> list[Pattern]:
+    """Every pattern of one request size but "unsplit" (which is "contiguous" measured
+    differently); the scatters come from ``churn_slots`` with the prefill side's seed
+    ``seed`` and the decode side's ``seed + 1``, the same for both policies."""
+    contiguous = tuple(range(tokens))
+    shuffled = list(contiguous)
+    random.Random(seed).shuffle(shuffled)
+    out = [Pattern("contiguous", contiguous, contiguous), Pattern("shuffle", contiguous, tuple(shuffled))]
+    policies = ("stack", "extent") if has_extent_policy(allocator_cls) else ("stack",)
+    for ps in page_sizes:
+        for policy in policies:
+            kw = dict(extent=policy == "extent", churn=churn, allocator_cls=allocator_cls)
+            src = churn_slots(tokens, ps, seed=seed, **kw)
+            dst = churn_slots(tokens, ps, seed=seed + 1, reserve=True, **kw)
+            out.append(Pattern(f"{policy} p{ps}", tuple(src), tuple(dst)))
     return out
 
 
-def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size: int) -> dict[str, float]:
+@dataclass(frozen=True)
+class Rate:
+    """One measured pattern: GB/s, the plan's entries, how many of them were timed."""
+    gbps: float
+    entries: int
+    timed_entries: int
+    tokens_per_run: float | None = None  # scatters only
+    wire_entries: int | None = None      # contiguous with an engine that splits entries
+
+
+@dataclass
+class CaseResult:
+    engine: str
+    shape: str
+    tokens: int
+    nbytes: int
+    raw: float
+    rates: dict[str, Rate | None]  # None: not measurable here (n/a)
+
+
+# ---- the receiver process -------------------------------------------------------------------
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> memoryview | None:
+    """Fill ``view`` from ``sock``; None when the peer closed first."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return None
+        got += n
+    return view
+
+
+def _receiver(engine_name: str, conn: Any) -> None:
+    """Serves ("setup", shape, slots) -> (session, metadata, layout), ("raw",) -> the bytes
+    received on one raw socket connection (see below), ("close",) -> None; ends on None or when the parent is gone. Ends
+    with os._exit: a process that created a UCX backend must not run interpreter exit."""
+    from pdserve.disagg.engines import make_transfer_engine
+
+    engine = None
+    bufs: dict[str, torch.Tensor] = {}
+    server = socket.create_server((HOST, 0))
+    sink = bytearray()
+    try:
+        conn.send(server.getsockname()[1])
+        while True:
+            try:
+                cmd = conn.recv()
+            except EOFError:
+                break
+            if cmd is None:
+                break
+            if cmd[0] == "setup":
+                _, key, slots = cmd
+                engine = make_transfer_engine(engine_name, host=HOST)
+                bufs = SHAPES[key].buffers(slots, blank=True)
+                for t in bufs.values():
+                    engine.register(t.data_ptr(), t.numel() * t.element_size())
+                conn.send((engine.session_id, engine.metadata(), layout_of(bufs)))
+            elif cmd[0] == "raw":
+                # One connection per case; on it, messages of an 8-byte length and that many
+                # bytes, each acknowledged with one byte, until the sender closes it.
+                peer, _ = server.accept()
+                total = 0
+                with peer:
+                    while True:
+                        head = _recv_exactly(peer, memoryview(bytearray(8)))
+                        if head is None:
+                            break
+                        nbytes = int.from_bytes(head, "little")
+                        if len(sink) < nbytes:
+                            sink = bytearray(nbytes)
+                        if _recv_exactly(peer, memoryview(sink)[:nbytes]) is None:
+                            break
+                        total += nbytes
+                        peer.sendall(b"k")
+                conn.send(total)
+            elif cmd[0] == "clear":
+                index = torch.tensor(cmd[1], dtype=torch.int64)
+                for t in bufs.values():
+                    t[index] = BLANK
+                conn.send(None)
+            elif cmd[0] == "check":
+                index = torch.tensor(cmd[1], dtype=torch.int64)
+                conn.send(sorted(n for n, t in bufs.items() if not bool((t[index] == FILL[n]).all())))
+            elif cmd[0] == "close":
+                if engine is not None:
+                    engine.close()
+                engine, bufs = None, {}
+                conn.send(None)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    if engine is not None:
+        engine.close()
+    os._exit(0)
+
+
+class Receiver:
+    """The receiving process of one engine, kept for the whole run."""
+
+    def __init__(self, engine_name: str) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_receiver, args=(engine_name, child), daemon=True)
+        self._proc.start()
+        child.close()
+        self.port = self._ask(None)
+
+    def _ask(self, cmd: Any) -> Any:
+        if cmd is not None:
+            self._conn.send(cmd)
+        if not self._conn.poll(300):
+            raise RuntimeError("the receiver process did not answer within 300 s")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the receiver process died (exit status {self._proc.exitcode})") from None
+
+    def setup(self, shape: str, slots: int) -> tuple[str, str, KVLayout]:
+        return self._ask(("setup", shape, slots))
+
+    def raw(self) -> socket.socket:
+        """A connection to the receiver's raw socket (send ``raw_message``s on it; close it
+        and call ``raw_done``)."""
+        self._conn.send(("raw",))
+        return socket.create_connection((HOST, self.port))
+
+    def raw_done(self) -> int:
+        """The bytes the raw socket connection delivered."""
+        return self._ask(None)
+
+    def clear(self, slots: Sequence[int]) -> None:
+        """Blank ``slots`` of every buffer (so that ``check`` sees the next pattern's writes)."""
+        self._ask(("clear", list(slots)))
+
+    def check(self, slots: Sequence[int]) -> None:
+        """RuntimeError unless every buffer holds the sender's values at ``slots``."""
+        wrong = self._ask(("check", list(slots)))
+        if wrong:
+            raise RuntimeError(f"the written slots do not hold the sender's values in {', '.join(wrong[:4])}"
+                               + (f" and {len(wrong) - 4} more buffers" if len(wrong) > 4 else ""))
+
+    def close_case(self) -> None:
+        self._ask(("close",))
+
+    def stop(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
+# ---- measuring ----------------------------------------------------------------------------
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+# A fast write is repeated for at least this long (up to MAX_RUNS runs): on a shared
+# machine a millisecond write's best of 3 is mostly scheduling noise.
+MIN_SECONDS = 0.3
+MAX_RUNS = 100
+
+
+def best_time(fn: Callable[[], None], repeats: int, budget_s: float, min_s: float = MIN_SECONDS,
+              max_runs: int = MAX_RUNS) -> float:
+    """The shortest run of ``fn``: at least ``repeats`` runs, more while under ``min_s``
+    seconds in all (at most ``max_runs``); no new run once ``budget_s`` is spent."""
+    start, best, runs = time.perf_counter(), math.inf, 0
+    while True:
+        best = min(best, _timed(fn))
+        runs += 1
+        spent = time.perf_counter() - start
+        if spent >= budget_s or (runs >= repeats and (spent >= min_s or runs >= max_runs)):
+            return best
+
+
+def wire_entries(batch: WriteBatch, max_entry_bytes: int | None) -> int:
+    """Entries an engine that splits at ``max_entry_bytes`` puts on the wire."""
+    if not max_entry_bytes:
+        return len(batch.lengths)
+    return sum(max(1, -(-n // max_entry_bytes)) for n in batch.lengths)
+
+
+def _raw_rate(receiver: Receiver, bufs: dict[str, torch.Tensor], tokens: int, repeats: int,
+              pattern_seconds: float) -> float:
+    """GB/s of the raw socket moving the first ``tokens`` slots of every buffer (the bytes
+    and memory of the contiguous write), one sendall each, on a connection made once (as
+    the engines' are), acknowledged with one byte per message."""
+    views = [t[:tokens].numpy().view("uint8").reshape(-1) for t in bufs.values()]
+    nbytes = sum(v.size for v in views)
+    head = nbytes.to_bytes(8, "little")
+    with receiver.raw() as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def raw() -> None:
+            sock.sendall(head)
+            for v in views:
+                sock.sendall(v)
+            if sock.recv(1) != b"k":
+                raise RuntimeError("the raw socket's receiver went away")
+        raw()  # warm-up, as for the engines
+        best = best_time(raw, repeats, pattern_seconds)
+    got = receiver.raw_done()
+    if not got or got % nbytes:
+        raise RuntimeError(f"the raw socket delivered {got} bytes, not a multiple of {nbytes}")
+    return nbytes / best / 1e9
+
+
+def measure_case(engine_name: str, receiver: Receiver, key: str, tokens: int, pats: list[Pattern],
+                 page_sizes: Sequence[int], churn: Churn, repeats: int, max_entries: int,
+                 pattern_seconds: float) -> CaseResult:
+    """Every pattern of one (engine, shape, request size), and the raw socket's bytes.
+
+    The raw socket goes first, before either side has an engine: an engine's threads
+    (NIXL's UCX progress thread polls) would take CPU from it on a small machine; the
+    engines' own writes run with them, as they do in a server."""
+    from pdserve.disagg.engines import make_transfer_engine
+
+    shape = SHAPES[key]
+    slots = max(pool_slots(tokens, page_sizes, churn), tokens)
+    bufs = shape.buffers(slots)
+    raw = _raw_rate(receiver, bufs, tokens, repeats, pattern_seconds)
+    session, metadata, dst_layout = receiver.setup(key, slots)
+    engine = make_transfer_engine(engine_name, host=HOST)
+    try:
+        for t in bufs.values():
+            engine.register(t.data_ptr(), t.numel() * t.element_size())
+        engine.add_peer(session, metadata)
+        plan = plan_transfer(layout_of(bufs), dst_layout, list(bufs))
+        split_at = getattr(engine, "max_entry_bytes", "absent")
+
+        def run(pat: Pattern, unsplit: bool = False) -> Rate:
+            batch = plan.writes(pat.src, pat.dst)
+            timed = batch
+            if len(batch.src) > max_entries:
+                timed = WriteBatch(batch.src[:max_entries], batch.dst[:max_entries], batch.lengths[:max_entries])
+            if split_at != "absent":
+                engine.max_entry_bytes = None if unsplit else split_at  # type: ignore[attr-defined]
+            try:
+                t = best_time(lambda: engine.write(session, timed), repeats, pattern_seconds)
+            finally:
+                if split_at != "absent":
+                    engine.max_entry_bytes = split_at  # type: ignore[attr-defined]
+            if timed is batch:  # the whole batch went: every slot holds the sender's values
+                receiver.check(pat.dst)
+            contiguous = pat.key == "contiguous"
+            return Rate(timed.nbytes / t / 1e9, len(batch.src), len(timed.src),
+                        None if contiguous or pat.key == "shuffle" else pat.tokens_per_run,
+                        wire_entries(batch, split_at) if contiguous and not unsplit and isinstance(split_at, int)
+                        else None)
+
+        first = pats[0]
+        if first.key != "contiguous":
+            raise ValueError("the first pattern must be the contiguous one (it warms the connection up)")
+        engine.write(session, plan.writes(first.src, first.dst))  # warm-up: the first write connects
+        rates: dict[str, Rate | None] = {}
+        for pat in pats:
+            receiver.clear(pat.dst)
+            rates[pat.key] = run(pat)
+            if pat.key == "contiguous":
+                # n/a where the engine does not split entries (no attribute, or None already)
+                receiver.clear(pat.dst)
+                rates["unsplit"] = run(pat, unsplit=True) if split_at not in ("absent", None) else None
+    finally:
+        engine.close()
+        receiver.close_case()
+    return CaseResult(engine_name, key, tokens, tokens * shape.token_bytes, raw, rates)
+
+
+# ---- the table ----------------------------------------------------------------------------
+
+ENGINE_TITLES = {"mooncake": "Mooncake", "nixl": "NIXL"}
+
+
+def scatter_keys(page_sizes: Sequence[int]) -> list[str]:
+    return [f"{policy} p{ps}" for ps in page_sizes for policy in ("stack", "extent")]
+
+
+def table_header(page_sizes: Sequence[int]) -> list[str]:
+    cols = ["engine", "model", "tokens", "MiB", "raw TCP GB/s", "contiguous GB/s (entries)", "contiguous / raw",
+            "unsplit GB/s (entries)", "full shuffle p1 GB/s (/ contiguous; entries)"]
+    cols += [f"{k} GB/s (/ contiguous; entries; tokens/run)" for k in scatter_keys(page_sizes)]
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
+def _entries(r: Rate) -> str:
+    star = "*" if r.timed_entries < r.entries else ""
+    return f"{r.entries}{star}"
+
+
+def format_row(res: CaseResult, page_sizes: Sequence[int]) -> str:
+    """One table row; a pattern not measurable here (no such policy or attribute) is n/a."""
+    rates = res.rates
+    cont = rates["contiguous"]
+    assert cont is not None
+
+    def vs(r: Rate) -> str:
+        return f"{r.gbps / cont.gbps:.2f}x" if cont.gbps > 0 else "-"
+
+    wire = f" -> {cont.wire_entries} on the wire" if cont.wire_entries is not None else ""
+    cells = [ENGINE_TITLES.get(res.engine, res.engine), SHAPES[res.shape].name, str(res.tokens),
+             f"{res.nbytes / 2**20:.0f}" if res.nbytes >= 2**20 else f"{res.nbytes / 2**20:.2f}",
+             f"{res.raw:.2f}", f"{cont.gbps:.2f} ({_entries(cont)}{wire})",
+             f"{cont.gbps / res.raw:.2f}x" if res.raw > 0 else "-"]
+    un = rates.get("unsplit")
+    cells.append(f"{un.gbps:.2f} ({_entries(un)})" if un is not None else "n/a")
+    sh = rates["shuffle"]
+    assert sh is not None
+    cells.append(f"{sh.gbps:.3f} ({vs(sh)}; {_entries(sh)})")
+    for key in scatter_keys(page_sizes):
+        r = rates.get(key)
+        cells.append("n/a" if r is None else f"{r.gbps:.3f} ({vs(r)}; {_entries(r)}; {r.tokens_per_run:.1f})")
+    return "| " + " | ".join(cells) + " |"
+
+
+def sizes_of(shape: Shape, sizes_mib: Sequence[float], tokens: Sequence[int], max_bytes: float) -> list[int]:
+    """The prompt lengths a shape is measured at (from --sizes-mib and --tokens), sorted,
+    those over ``max_bytes`` of KV left out."""
+    wanted = {shape.tokens_for(m) for m in sizes_mib} | set(tokens)
+    return sorted(t for t in wanted if t * shape.token_bytes <= max_bytes)
+
+
+# ---- part 2: the TTFT split ---------------------------------------------------------------
+
+TTFT_PHASE_TIMEOUT_S = 300.0
+
+
+def _until(done: Callable[[], bool], step: Callable[[], None], what: str,
+           timeout_s: float = TTFT_PHASE_TIMEOUT_S) -> None:
+    """Run ``step`` until ``done()``; RuntimeError naming ``what`` after ``timeout_s`` (a
+    lost transfer must not spin the benchmark forever)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"TTFT split: {what} did not come within {timeout_s:g} s")
+        step()
+
+
+def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size: int,
+               engine_name: str = "mooncake") -> dict[str, float]:
     """Median phase times (seconds) of ``repeats`` single-request handoffs."""
     import statistics
 
     from pdserve.config import ServerArgs
+    from pdserve.disagg.decode_side import decode_scheduler
+    from pdserve.disagg.engines import make_transfer_engine
+    from pdserve.disagg.handoff import Phase
+    from pdserve.disagg.prefill_side import prefill_scheduler
     from pdserve.disagg.rooms import RoomState
-    from pdserve.disagg.transfer import MooncakeTransfer
     from pdserve.model.parallel import TPGroup
     from pdserve.model.runner import ModelRunner
     from pdserve.requests import RequestBuilder
     from pdserve.sampling_params import SamplingParams
-    from pdserve.disagg.decode_side import decode_scheduler
-    from pdserve.disagg.handoff import Phase
-    from pdserve.disagg.prefill_side import prefill_scheduler
     from pdserve.scheduler.req import samples_from_message
     from pdserve.scheduler.scheduler import Scheduler
 
@@ -146,44 +666,46 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
         return ModelRunner(args, Path(model_dir), TPGroup())
     text = str
     colo = Scheduler(args, runner(), text)  # type: ignore[arg-type]
-    p = prefill_scheduler(args, runner(), text, MooncakeTransfer("127.0.0.1"))  # type: ignore[arg-type]
-    d = decode_scheduler(args, runner(), text, MooncakeTransfer("127.0.0.1"),  # type: ignore[arg-type]
-                        fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
+    p = prefill_scheduler(args, runner(), text, make_transfer_engine(engine_name, host=HOST))  # type: ignore[arg-type]
+    d = decode_scheduler(args, runner(), text, make_transfer_engine(engine_name, host=HOST),  # type: ignore[arg-type]
+                         fetch_ranks=lambda url: [p.mode.manager.rank_info(1, HOST)])
     builder = RequestBuilder(None, 10**6, 10**6, 1, 0)
     params = SamplingParams.from_dict({"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
     rng = random.Random(tokens)
     vocab = colo.vocab_size
     phases: dict[str, list[float]] = {k: [] for k in ("colocated", "prefill", "transfer", "commit", "total")}
+
+    def both() -> None:
+        p.step()
+        d.step()  # decode connects, reserves and asks for the KV
+
+    def arrived(room: int) -> bool:
+        state, _, reason = d.mode.manager.poll(room)
+        if state is RoomState.FAILED:
+            raise RuntimeError(f"TTFT split: the transfer of room {room} failed: {reason}")
+        return state is RoomState.SUCCESS
     try:
         for i in range(repeats + 1):  # the first round connects the pair and warms up
             prompt = [rng.randrange(3, vocab) for _ in range(tokens)]
             c = samples_from_message(builder.group(prompt, params, False, 0))[0]
             t0 = time.perf_counter()
             colo.add(c)
-            while not c.output_ids:
-                colo.step()
+            _until(lambda: bool(c.output_ids), colo.step, "the colocated first token")
             colocated = time.perf_counter() - t0
-            while colo.has_work:
-                colo.step()
+            _until(lambda: not colo.has_work, colo.step, "the colocated request's end")
             rp, rd = (samples_from_message(builder.group(prompt, params, False, 0))[0] for _ in range(2))
             for r in (rp, rd):
-                r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = "127.0.0.1", 1, 1000 + i
+                r.bootstrap_host, r.bootstrap_port, r.bootstrap_room = HOST, 1, 1000 + i
             t0 = time.perf_counter()
             p.add(rp)
             d.add(rd)
-            while not p.mode.handoffs.count(Phase.INFLIGHT):
-                p.step()
-                d.step()  # decode connects, reserves and asks for the KV
+            _until(lambda: bool(p.mode.handoffs.count(Phase.INFLIGHT)), both, "prefill's handoff")
             t_handoff = time.perf_counter()
-            while d.mode.manager.poll(1000 + i)[0] is not RoomState.SUCCESS:
-                time.sleep(0.0002)
+            _until(lambda: arrived(1000 + i), lambda: time.sleep(0.0002), "the KV's arrival on decode")
             t_arrived = time.perf_counter()
-            while not rd.output_ids:
-                d.step()
+            _until(lambda: bool(rd.output_ids), d.step, "decode's first token")
             t_first = time.perf_counter()
-            while p.has_work or d.has_work:
-                p.step()
-                d.step()
+            _until(lambda: not (p.has_work or d.has_work), both, "the PD request's end")
             if i == 0:
                 continue
             phases["colocated"].append(colocated)
@@ -199,54 +721,139 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
     return out
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+# ---- the command --------------------------------------------------------------------------
+
+def _positive_int(flag: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes whole numbers, not {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} takes numbers >= 1, not {value}")
+        return value
+    return parse
+
+
+def _positive_float(flag: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes numbers, not {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{flag} takes numbers > 0, not {value}")
+        return value
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--sizes-mib", type=_positive_float("--sizes-mib"), nargs="*", default=None,
+                    help="request sizes (MiB of KV; the prompt length follows per shape); default 1 16 64 256 "
+                         "unless --tokens is given; none (the flag alone): only the TTFT split")
+    ap.add_argument("--tokens", type=_positive_int("--tokens"), nargs="*", default=[],
+                    help="prompt lengths measured too")
+    ap.add_argument("--shapes", nargs="+", default=["demo", "wide"], choices=sorted(SHAPES))
+    ap.add_argument("--page-sizes", type=_positive_int("--page-sizes"), nargs="+", default=[1, 16],
+                    help="page sizes of the realistic scatter")
+    ap.add_argument("--repeats", type=_positive_int("--repeats"), default=3)
+    ap.add_argument("--max-bytes", type=_positive_float("--max-bytes"), default=2.5e9,
+                    help="skip requests with more KV bytes than this (the two pools hold about "
+                         "2 x --pool-factor times the largest request)")
+    ap.add_argument("--max-entries", type=_positive_int("--max-entries"), default=32768,
+                    help="time at most this many entries of a batch (its first ones; marked *)")
+    ap.add_argument("--pattern-seconds", type=_positive_float("--pattern-seconds"), default=2.0,
+                    help="no further repeat of a pattern once its writes took this long")
+    ap.add_argument("--pool-factor", type=_positive_float("--pool-factor"), default=Churn.pool_factor,
+                    help="the churned pools' size, in requests (at least 1.5)")
+    ap.add_argument("--churn-steps", type=_positive_int("--churn-steps"), default=Churn.steps)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ttft-tokens", type=_positive_int("--ttft-tokens"), nargs="*", default=[512, 2000],
+                    help="prompt lengths of the TTFT split (none: skip it)")
+    ap.add_argument("--ttft-engine", default="mooncake", choices=ENGINES, help="the TTFT split's engine")
+    ap.add_argument("--ttft-model", default=None, help="model of the TTFT split (default: the demo model)")
+    ap.add_argument("--chunk", type=_positive_int("--chunk"), default=512,
+                    help="prefill chunk size of the TTFT split and of the churn")
+    ap.add_argument("--page-size", type=_positive_int("--page-size"), default=16,
+                    help="page size of the TTFT split")
+    args = ap.parse_args(argv)
+    if args.pool_factor < 1.5:
+        ap.error(f"--pool-factor must be at least 1.5 (the pool holds the measured request and others), "
+                 f"not {args.pool_factor}")
+    if args.sizes_mib is None:
+        args.sizes_mib = [] if args.tokens else [1, 16, 64, 256]
+    if not args.sizes_mib and not args.tokens and not args.ttft_tokens:
+        ap.error("nothing to measure: give --sizes-mib, --tokens or --ttft-tokens")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--shapes", nargs="+", default=["demo", "wide"], choices=sorted(SHAPES))
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-bytes", type=float, default=2.5e9, help="skip combinations larger than this")
-    ap.add_argument("--ttft-tokens", type=int, nargs="*", default=[512, 2000],
-                    help="prompt lengths of the TTFT split (none: skip it)")
-    ap.add_argument("--ttft-model", default=None, help="model of the TTFT split (default: the demo model)")
-    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk size of the TTFT split")
-    ap.add_argument("--page-size", type=int, default=16, help="page size of the TTFT split")
-    args = ap.parse_args(argv)
-    print("| model | tokens | MiB | Mooncake contiguous GB/s (entries) | Mooncake scattered GB/s (entries) "
-          "| raw TCP GB/s | Mooncake / raw |")
-    print("|---|---|---|---|---|---|---|")
-    for key in args.shapes:
-        shape = SHAPES[key]
-        for tokens in args.tokens:
-            per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * 4
-            if per_token * tokens > args.max_bytes:
-                continue
-            r = measure(shape, tokens, args.repeats)
-            print(f"| {shape.name} | {tokens} | {r['bytes'] / 2**20:.0f} | {r['mooncake_contiguous']:.2f} "
-                  f"({int(r['entries_contiguous'])}) | {r['mooncake_scattered']:.2f} ({int(r['entries_scattered'])}) "
-                  f"| {r['raw_tcp']:.2f} | {r['mooncake_contiguous'] / r['raw_tcp']:.2f}x |", flush=True)
+    args = parse_args(argv)
+    churn = Churn(pool_factor=args.pool_factor, steps=args.churn_steps, chunk=args.chunk)
+    sizes = {key: sizes_of(SHAPES[key], args.sizes_mib, args.tokens, args.max_bytes) for key in args.shapes}
+    if any(sizes.values()):
+        extent = has_extent_policy()
+        print(f"KV writes through the transfer plan, two processes on {HOST}; best of at least {args.repeats} "
+              f"(at most {args.pattern_seconds:g} s of repeats per pattern). Scatter: the pool after churn "
+              f"({churn.pool_factor:g}x the request, filled to {churn.fill:.0%}, {churn.steps} decode steps, "
+              f"prompts in chunks of {churn.chunk}); stack: PageAllocator.alloc_ids(n) everywhere; extent: "
+              + ("alloc_ids(n, contiguous=True) for prompt chunks and reserves"
+                 if extent else "n/a (this PageAllocator has no contiguous= policy)")
+              + f". entries: the plan's write entries (* = the first {args.max_entries} timed); "
+              "tokens/run: tokens per run of consecutive slots on both sides. unsplit: contiguous with the "
+              "engine's max_entry_bytes = None (n/a: the engine does not split entries).\n", flush=True)
+        for line in table_header(args.page_sizes):
+            print(line)
+        cache: dict[int, list[Pattern]] = {}  # the same slots for every engine and shape
+        for name in args.engines:
+            receiver = Receiver(name)
+            try:
+                for key in args.shapes:
+                    for tokens in sizes[key]:
+                        if tokens not in cache:
+                            cache[tokens] = patterns(tokens, args.page_sizes, args.seed + 2 * tokens, churn)
+                        res = measure_case(name, receiver, key, tokens, cache[tokens], args.page_sizes,
+                                           churn, args.repeats, args.max_entries, args.pattern_seconds)
+                        print(format_row(res, args.page_sizes), flush=True)
+            finally:
+                receiver.stop()
     if not args.ttft_tokens:
         return
     from pdserve import assets
 
     model = args.ttft_model or str(assets.path("demo"))
-    print(f"\nTTFT split, {model}, chunk {args.chunk}, page size {args.page_size}, median of {args.repeats} "
-          "(ms)\n")
+    print(f"\nTTFT split, {ENGINE_TITLES[args.ttft_engine]}, {model}, chunk {args.chunk}, page size "
+          f"{args.page_size}, median of {args.repeats} (ms)\n")
     print("| prompt tokens | KV MiB | colocated TTFT | PD TTFT | prefill (setup + compute) | transfer tail "
           "| decode commit | PD / colocated |")
     print("|---|---|---|---|---|---|---|---|")
     for tokens in args.ttft_tokens:
-        r = ttft_split(model, tokens, args.repeats, args.chunk, args.page_size)
+        r = ttft_split(model, tokens, args.repeats, args.chunk, args.page_size, args.ttft_engine)
         ms = {k: v * 1e3 for k, v in r.items() if k != "bytes"}
         print(f"| {tokens} | {r['bytes'] / 2**20:.1f} | {ms['colocated']:.1f} | {ms['total']:.1f} | "
               f"{ms['prefill']:.1f} | {ms['transfer']:.1f} | {ms['commit']:.1f} | "
               f"{r['total'] / r['colocated']:.2f}x |", flush=True)
 
 
+def _run_and_exit() -> None:
+    """main(), then os._exit: a process that created a UCX backend (NIXL) must not run the
+    interpreter's exit (its libraries' teardown can crash it)."""
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    _run_and_exit()
