@@ -22,17 +22,51 @@ class OutOfPages(RuntimeError):
     pass
 
 
+class _PageStack:
+    """Free page ids, last in first out, as a preallocated array. Entries may be stale (the
+    page was taken another way since): popping drops them. The allocator keeps each page
+    in at most one of its stacks (``stacked``), so a stack never outgrows the pool."""
+
+    def __init__(self, num_pages: int, pages: np.ndarray) -> None:
+        self._ids = np.zeros(num_pages, dtype=np.int64)
+        self._ids[:pages.size] = pages
+        self._top = pages.size
+
+    def push(self, pages: np.ndarray) -> None:
+        """``pages`` go on top, the last one on top."""
+        self._ids[self._top:self._top + pages.size] = pages
+        self._top += pages.size
+
+    def pop(self, n: int, is_free: np.ndarray, stacked: np.ndarray) -> np.ndarray:
+        """Up to ``n`` free pages off the top (fewer when the stack runs out)."""
+        parts, got = [], 0
+        while got < n and self._top:
+            top = self._ids[max(0, self._top - (n - got)):self._top][::-1]
+            self._top -= top.size
+            stacked[top] = False
+            parts.append(top[is_free[top]])
+            got += parts[-1].size
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
 class PageAllocator:
     """Free pages with reference counts. Two ways to take pages:
 
-    - a stack (``alloc_ids(n)``): O(n), for a decode step's one page per request and a
-      speculative round's scratch; pages a request freed come back in ascending runs;
-    - runs (``alloc_ids(n, contiguous=True)``): the fewest runs of consecutive free pages
-      (one when a free run is long enough), for a prompt's chunk and a PD request's
-      reserved KV. A transfer writes one entry per run of consecutive slots on both
-      sides; at page size 1 the stack alone leaves a prompt in runs of ~3 tokens once
-      decode steps have interleaved the requests' pages, one write per 3 tokens.
+    - off a stack (``alloc_ids(n)``): O(n), for a decode step's one page per request and a
+      speculative round's scratch;
+    - in runs (``alloc_ids(n, contiguous=True)``): the fewest runs of consecutive free
+      pages (one when a free run is long enough), for a prompt's chunk and a PD request's
+      reserved KV.
+
+    A transfer writes one entry per run of consecutive slots on both sides. Decode steps
+    interleave the running requests' pages, so a prompt taken off a stack once some of
+    them finished is scattered in runs of a few tokens at page size 1. Runs keep it whole
+    where the pool has room, and the stacks keep room: freed pages in runs of at least
+    ``RUN_PAGES`` (a finished prompt) go on a stack of their own that single-page takes
+    reach only when the stack of the others (decode steps' pages, leftovers) is empty.
     """
+
+    RUN_PAGES = 8
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 2:
@@ -43,14 +77,10 @@ class PageAllocator:
         self.refcount[0] = 1  # padding page: permanently held
         self._is_free = np.ones(num_pages, dtype=np.bool_)
         self._is_free[0] = False
-        # Stack of free pages (top at _top - 1); low pages first keeps early requests' KV
-        # contiguous. A run allocation leaves its pages' entries in place, stale (not free),
-        # dropped when popped; a stale page freed again reuses its entry: each page is in
-        # the stack at most once (_stacked), so the stack never outgrows the pool.
-        self._stack = np.zeros(num_pages, dtype=np.int64)
-        self._stack[:num_pages - 1] = np.arange(num_pages - 1, 0, -1)
-        self._top = num_pages - 1
         self._stacked = self._is_free.copy()
+        # Low pages first keeps early requests' KV contiguous.
+        self._scattered = _PageStack(num_pages, np.zeros(0, dtype=np.int64))
+        self._in_runs = _PageStack(num_pages, np.arange(num_pages - 1, 0, -1, dtype=np.int64))
         self._num_free = num_pages - 1
 
     @property
@@ -67,31 +97,22 @@ class PageAllocator:
 
     def alloc_ids(self, n: int, contiguous: bool = False) -> list[int]:
         """``n`` free pages, each held once; with ``contiguous``, in the fewest runs of
-        consecutive pages (ascending within a run), else from the stack."""
+        consecutive pages (ascending within a run), else off the stacks."""
         if n > self._num_free:
             raise OutOfPages(f"need {n} KV pages, {self._num_free} free")
         if n == 0:
             return []
-        taken = self._runs_of(n) if contiguous and n > 1 else self._pop(n)
+        if contiguous and n > 1:
+            taken = self._runs_of(n)  # their stack entries stay, stale
+        else:
+            taken = self._scattered.pop(n, self._is_free, self._stacked)
+            if taken.size < n:
+                taken = np.concatenate([taken, self._in_runs.pop(n - taken.size, self._is_free, self._stacked)])
         self._is_free[taken] = False
         self._num_free -= n
         pages = taken.tolist()
         self.refcount[pages] = 1
         return pages
-
-    def _pop(self, n: int) -> np.ndarray:
-        """The top ``n`` free pages of the stack (stale entries on the way dropped)."""
-        parts, got = [], 0
-        while got < n:
-            top = self._stack[max(0, self._top - (n - got)):self._top][::-1]
-            self._top -= top.size
-            free = self._is_free[top]
-            self._stacked[top[~free]] = False
-            parts.append(top[free])
-            got += parts[-1].size
-        taken = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        self._stacked[taken] = False
-        return taken
 
     def _runs_of(self, n: int) -> np.ndarray:
         """``n`` free pages in the fewest runs: the shortest free run that holds all of
@@ -130,11 +151,16 @@ class PageAllocator:
         freed = pages[self.refcount[pages] == 0].numpy()
         self._is_free[freed] = True
         self._num_free += freed.size
-        # Pushed highest first: the stack hands a freed run back in ascending order.
-        push = np.sort(freed[~self._stacked[freed]])[::-1]
-        self._stack[self._top:self._top + push.size] = push
-        self._top += push.size
+        # Pushed highest first, so a run comes back off its stack ascending. A page still on
+        # a stack (a stale entry: it was taken in a run) is free there again.
+        push = np.sort(freed[~self._stacked[freed]])
         self._stacked[push] = True
+        breaks = np.flatnonzero(np.diff(push) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [push.size])))
+        in_runs = np.repeat(lengths >= self.RUN_PAGES, lengths)
+        self._in_runs.push(push[in_runs][::-1])
+        self._scattered.push(push[~in_runs][::-1])
 
 
 class ReqToTokenPool:
