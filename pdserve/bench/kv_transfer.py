@@ -756,8 +756,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=_positive_int("--tokens"), nargs="*", default=[],
                     help="prompt lengths measured too")
     ap.add_argument("--shapes", nargs="+", default=["demo", "wide"], choices=sorted(SHAPES))
-    ap.add_argument("--page-sizes", type=_positive_int("--page-sizes"), nargs="+", default=[1, 16],
-                    help="page sizes of the realistic scatter")
+    ap.add_argument("--page-sizes", type=_positive_int("--page-sizes"), nargs="+", default=[1, 16, 64],
+                    help="page sizes of the realistic scatter (64: the PD default, config.PD_PAGE_SIZE)")
     ap.add_argument("--repeats", type=_positive_int("--repeats"), default=3)
     ap.add_argument("--max-bytes", type=_positive_float("--max-bytes"), default=2.5e9,
                     help="skip requests with more KV bytes than this (the two pools hold about "

@@ -176,7 +176,7 @@ def test_sizes_follow_the_shape_and_the_byte_cap():
 @pytest.mark.fast
 def test_flags():
     args = kt.parse_args([])
-    assert args.engines == ["mooncake", "nixl"] and args.sizes_mib == [1, 16, 64, 256] and args.page_sizes == [1, 16]
+    assert args.engines == ["mooncake", "nixl"] and args.sizes_mib == [1, 16, 64, 256] and args.page_sizes == [1, 16, 64]
     assert args.ttft_engine == "mooncake"
     assert kt.parse_args(["--tokens", "4096"]).sizes_mib == []  # --tokens alone: those lengths only
     assert kt.parse_args(["--tokens", "4096", "--sizes-mib", "1"]).sizes_mib == [1.0]

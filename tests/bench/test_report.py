@@ -61,3 +61,19 @@ def test_long_prompt_itl_section_reads_both_rows_and_the_decode_counters(tmp_pat
     assert "ITL p99: P drafting ahead by 1.50x (20.00 vs 30.00 ms)" in text
     (tmp_path / "p_plain.jsonl").unlink()
     assert "| plain P (decode drafts the prompt) | not measured |" in section7(tmp_path)
+
+
+def test_kv_transfer_section_reads_the_table_by_column_names(tmp_path):
+    from pdserve.bench.report_sections import section5
+
+    (tmp_path / "kv.txt").write_text(
+        "| engine | model | tokens | MiB | raw TCP GB/s | contiguous GB/s (entries) | contiguous / raw "
+        "| extent p1 GB/s (/ contiguous; entries; tokens/run) | extent p64 GB/s (/ contiguous; entries; tokens/run) |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+        "| NIXL | demo | 256 | 1 | 2.00 | 1.50 (8) | 0.75x | 0.10 (0.07x; 100; 2.0) | 1.20 (0.80x; 8; 64.0) |\n"
+        "| NIXL | wide | 512 | 64 | 4.00 | 4.40 (32) | 1.10x | 0.40 (0.09x; 900; 1.5) | 2.60 (0.59x; 90; 70.1) |\n")
+    text = section5(tmp_path)
+    assert "NIXL contiguous writes at 0.75x to 1.10x the raw socket" in text
+    assert "NIXL page size 1 (extent allocation) at 0.07x to 0.09x its contiguous speed" in text
+    assert "NIXL page size 64 (extent allocation) at 0.59x to 0.80x its contiguous speed" in text
+    assert "not measured" in section5(tmp_path / "missing")

@@ -348,3 +348,17 @@ def test_a_prompt_stays_in_long_runs_after_decode_steps_interleaved_the_pool():
     allocation finds it whole runs."""
     assert runs(interleaved_pool().alloc_ids(512)) > 100
     assert runs(interleaved_pool().alloc_ids(512, contiguous=True)) <= 2
+
+
+def test_single_page_takes_leave_a_freed_prompt_run_for_the_next_prompt():
+    """A finished request frees its prompt (a run) and its decode pages (scattered among
+    other requests'); the next decode steps take the scattered ones first, so the run is
+    still whole when the next prompt asks for one."""
+    a = PageAllocator(64, 1)
+    prompt = a.alloc_ids(20, contiguous=True)              # pages 1-20
+    others = a.alloc_ids(10, contiguous=True)              # pages 21-30
+    decoded = [p for i, p in enumerate(a.alloc_ids(20)) if i % 2 == 0]  # interleaved with another request
+    a.release(torch.tensor(prompt + decoded))
+    assert sorted(a.alloc_ids(len(decoded))) == sorted(decoded)
+    assert a.alloc_ids(20, contiguous=True) == prompt
+    assert others == list(range(21, 31))
