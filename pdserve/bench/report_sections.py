@@ -10,7 +10,6 @@ here and an entry in ``SECTIONS``.
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
