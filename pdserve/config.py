@@ -349,9 +349,10 @@ def _float_or_none(text: str) -> float | None:
 
 # The page size of a PD server unless --page-size is given: a transfer writes one entry per
 # run of slots consecutive on both sides, and pages bound how scattered a prompt's KV can
-# be. On a pool that has been serving (decode steps interleave the requests' pages), 64-token
-# pages keep the writes at 0.56-1.06x the speed of a contiguous write, page size 16 at
-# 0.41-0.76x, page size 1 at 0.08-0.36x (both engines; docs/benchmarks.md, KV transfer).
+# be. On a pool that has been serving (decode steps interleave the requests' pages), with a
+# real model's KV row size (4 KiB per token and buffer), 64-token pages kept the writes at
+# 0.78-1.36x the speed of a contiguous write, 16-token pages at 0.49-1.05x, page size 1 at
+# 0.08-0.43x (both engines; docs/benchmarks.md, "KV transfer on both engines").
 PD_PAGE_SIZE = 64
 
 _FIELD_PARSERS = {
