@@ -65,6 +65,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from pdserve.config import PD_PAGE_SIZE
 from pdserve.disagg.layout import BufferSpec, KVLayout, plan_transfer
 from pdserve.disagg.transfer import WriteBatch
 from pdserve.scheduler.kv_manager import pages_for
@@ -726,26 +727,17 @@ def ttft_split(model_dir: str, tokens: int, repeats: int, chunk: int, page_size:
 
 # ---- the command --------------------------------------------------------------------------
 
-def _positive_int(flag: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _positive(flag: str, kind: type = int) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` (int or float) above 0, errors naming ``flag``."""
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes whole numbers, not {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} takes numbers >= 1, not {value}")
-        return value
-    return parse
-
-
-def _positive_float(flag: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes numbers, not {text!r}") from None
+            noun = "whole numbers" if kind is int else "numbers"
+            raise argparse.ArgumentTypeError(f"{flag} takes {noun}, not {text!r}") from None
         if not value > 0:
-            raise argparse.ArgumentTypeError(f"{flag} takes numbers > 0, not {value}")
+            bound = ">= 1" if kind is int else "> 0"
+            raise argparse.ArgumentTypeError(f"{flag} takes numbers {bound}, not {value}")
         return value
     return parse
 
@@ -753,34 +745,34 @@ def _positive_float(flag: str) -> Callable[[str], float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
-    ap.add_argument("--sizes-mib", type=_positive_float("--sizes-mib"), nargs="*", default=None,
+    ap.add_argument("--sizes-mib", type=_positive("--sizes-mib", float), nargs="*", default=None,
                     help="request sizes (MiB of KV; the prompt length follows per shape); default 1 16 64 256 "
                          "unless --tokens is given; none (the flag alone): only the TTFT split")
-    ap.add_argument("--tokens", type=_positive_int("--tokens"), nargs="*", default=[],
+    ap.add_argument("--tokens", type=_positive("--tokens"), nargs="*", default=[],
                     help="prompt lengths measured too")
     ap.add_argument("--shapes", nargs="+", default=["demo", "wide"], choices=sorted(SHAPES))
-    ap.add_argument("--page-sizes", type=_positive_int("--page-sizes"), nargs="+", default=[1, 16, 64],
+    ap.add_argument("--page-sizes", type=_positive("--page-sizes"), nargs="+", default=[1, 16, 64],
                     help="page sizes of the realistic scatter (64: the PD default, config.PD_PAGE_SIZE)")
-    ap.add_argument("--repeats", type=_positive_int("--repeats"), default=3)
-    ap.add_argument("--max-bytes", type=_positive_float("--max-bytes"), default=2.5e9,
+    ap.add_argument("--repeats", type=_positive("--repeats"), default=3)
+    ap.add_argument("--max-bytes", type=_positive("--max-bytes", float), default=2.5e9,
                     help="skip requests with more KV bytes than this (the two pools hold about "
                          "2 x --pool-factor times the largest request)")
-    ap.add_argument("--max-entries", type=_positive_int("--max-entries"), default=32768,
+    ap.add_argument("--max-entries", type=_positive("--max-entries"), default=32768,
                     help="time at most this many entries of a batch (its first ones; marked *)")
-    ap.add_argument("--pattern-seconds", type=_positive_float("--pattern-seconds"), default=2.0,
+    ap.add_argument("--pattern-seconds", type=_positive("--pattern-seconds", float), default=2.0,
                     help="no further repeat of a pattern once its writes took this long")
-    ap.add_argument("--pool-factor", type=_positive_float("--pool-factor"), default=Churn.pool_factor,
+    ap.add_argument("--pool-factor", type=_positive("--pool-factor", float), default=Churn.pool_factor,
                     help="the churned pools' size, in requests (at least 1.5)")
-    ap.add_argument("--churn-steps", type=_positive_int("--churn-steps"), default=Churn.steps)
+    ap.add_argument("--churn-steps", type=_positive("--churn-steps"), default=Churn.steps)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ttft-tokens", type=_positive_int("--ttft-tokens"), nargs="*", default=[512, 2000],
+    ap.add_argument("--ttft-tokens", type=_positive("--ttft-tokens"), nargs="*", default=[512, 2000],
                     help="prompt lengths of the TTFT split (none: skip it)")
     ap.add_argument("--ttft-engine", default="mooncake", choices=ENGINES, help="the TTFT split's engine")
     ap.add_argument("--ttft-model", default=None, help="model of the TTFT split (default: the demo model)")
-    ap.add_argument("--chunk", type=_positive_int("--chunk"), default=512,
+    ap.add_argument("--chunk", type=_positive("--chunk"), default=512,
                     help="prefill chunk size of the TTFT split and of the churn")
-    ap.add_argument("--page-size", type=_positive_int("--page-size"), default=16,
-                    help="page size of the TTFT split")
+    ap.add_argument("--page-size", type=_positive("--page-size"), default=PD_PAGE_SIZE,
+                    help="page size of the TTFT split (default: a PD server's)")
     args = ap.parse_args(argv)
     if args.pool_factor < 1.5:
         ap.error(f"--pool-factor must be at least 1.5 (the pool holds the measured request and others), "

@@ -155,6 +155,9 @@ class PageAllocator:
         # a stack (a stale entry: it was taken in a run) is free there again.
         push = np.sort(freed[~self._stacked[freed]])
         self._stacked[push] = True
+        if push.size < self.RUN_PAGES:  # too few to hold a run (a speculative round's scratch, each step)
+            self._scattered.push(push[::-1])
+            return
         breaks = np.flatnonzero(np.diff(push) != 1) + 1
         starts = np.concatenate(([0], breaks))
         lengths = np.diff(np.concatenate((starts, [push.size])))

@@ -104,6 +104,18 @@ async def both_legs(p, d, boot: int, room: int) -> httpx.Response:
     return rd
 
 
+def push_frames(addr: str, frames: list[bytes]) -> None:
+    """Send ``frames`` to a control socket on a forger's own PUSH connection, then close it
+    (waiting up to 1 s for them to leave)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(addr)
+    for frame in frames:
+        sock.send(frame)
+    sock.close(linger=1000)
+    ctx.term()
+
+
 def normal_request_works(p, d, boot: int) -> list[int]:
     rd = asyncio.run(both_legs(p, d, boot, random.getrandbits(62)))
     assert rd.status_code == 200, rd.text
@@ -145,26 +157,21 @@ def test_forged_control_messages_are_dropped_and_counted(pair):
         async with httpx.AsyncClient(timeout=120) as c:
             body = native_body(boot, room)
             decode_leg = await decode_leg_admitted(c, d, body)
-            ctx = zmq.Context()
-            sock = ctx.socket(zmq.PUSH)
-            sock.connect(addr)
             forged = [P.HandoffRecord(room, prefill_addr, first_token=3),       # unsigned
                       P.Abort(room, "forged abort")]
             wrong_key = P.Authenticator(b"not-the-deployment-secret", prefill_addr)
             real_key = P.Authenticator(SECRET.encode(), prefill_addr)
+            frames = []
             for msg in forged:
-                sock.send(P.encode(msg))
-                sock.send(P.encode(msg, wrong_key, to=addr))
-                # Signed with the deployment's secret, but for another server (captured
-                # on its way to the prefill server, or to another decode server).
-                sock.send(P.encode(msg, real_key, to=prefill_addr))
-                sock.send(P.encode(msg, real_key, to="tcp://10.9.9.9:5555"))
+                frames += [P.encode(msg), P.encode(msg, wrong_key, to=addr),
+                           # Signed with the deployment's secret, but for another server (captured
+                           # on its way to the prefill server, or to another decode server).
+                           P.encode(msg, real_key, to=prefill_addr), P.encode(msg, real_key, to="tcp://10.9.9.9:5555")]
                 # Signed for this server, with a timestamp that is not a finite number.
                 for ts in (b"NaN", b"Infinity", b"1e999"):
-                    sock.send(real_key.frame(P.encode(msg)[:-1] + b',"from":"%s","to":"%s","ts":%s,"nonce":"%s"}'
-                                             % (prefill_addr.encode(), addr.encode(), ts, ts)))
-            sock.close(linger=1000)
-            ctx.term()
+                    frames.append(real_key.frame(P.encode(msg)[:-1] + b',"from":"%s","to":"%s","ts":%s,"nonce":"%s"}'
+                                                 % (prefill_addr.encode(), addr.encode(), ts, ts)))
+            push_frames(addr, frames)
             await asyncio.to_thread(wait_until, lambda: state(d)["disaggregation"]["refused_messages"] >= refused + 14,
                                     10)
             assert not decode_leg.done()  # neither the record nor the abort was obeyed
@@ -327,17 +334,11 @@ def test_forged_nixl_metadata_is_dropped_and_the_kv_goes_only_to_decode(nixl_pai
             async with httpx.AsyncClient(timeout=120) as c:
                 body = native_body(boot, room)
                 decode_leg = await decode_leg_admitted(c, d, body)
-                ctx = zmq.Context()
-                sock = ctx.socket(zmq.PUSH)
-                sock.connect(prefill_addr)
                 wrong_key = P.Authenticator(b"not-the-deployment-secret", evil_addr)
                 real_key = P.Authenticator(SECRET.encode(), evil_addr)
-                for msg in (handshake, request):
-                    sock.send(P.encode(msg))
-                    sock.send(P.encode(msg, wrong_key, to=prefill_addr))
-                    sock.send(P.encode(msg, real_key, to="tcp://10.9.9.9:5555"))
-                sock.close(linger=1000)
-                ctx.term()
+                push_frames(prefill_addr, [frame for msg in (handshake, request) for frame in (
+                    P.encode(msg), P.encode(msg, wrong_key, to=prefill_addr),
+                    P.encode(msg, real_key, to="tcp://10.9.9.9:5555"))])
                 await asyncio.to_thread(wait_until, lambda: state(p)["disaggregation"]["refused_messages"]
                                         >= refused + 6, 10)
                 rp = await c.post(p.url + "/generate", json=body)
