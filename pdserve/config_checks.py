@@ -220,6 +220,11 @@ def _check_disaggregation(args: "ServerArgs", bad: Any) -> None:
                  "disaggregation_transfer_timeout", "disaggregation_heartbeat_interval"):
         if getattr(args, name) <= 0:
             raise bad(name, f"must be > 0, got {getattr(args, name)}")
+    if args.disaggregation_kv_landing_mib < 0:
+        raise bad("disaggregation_kv_landing_mib", f"must be >= 0 (0: no landing area), got "
+                  f"{args.disaggregation_kv_landing_mib}")
+    if args.disaggregation_kv_landing_min_run < 1:
+        raise bad("disaggregation_kv_landing_min_run", f"must be >= 1, got {args.disaggregation_kv_landing_min_run}")
     if args.disaggregation_heartbeat_misses < 1:
         raise bad("disaggregation_heartbeat_misses", f"must be >= 1, got {args.disaggregation_heartbeat_misses}")
     if args.disaggregation_secret is not None and args.disaggregation_secret_file is not None:

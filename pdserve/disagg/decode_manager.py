@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from pdserve.disagg import protocol as P
-from pdserve.disagg.layout import CompatRecord, HandshakeError, KVLayout, check_compatible
+from pdserve.disagg.layout import BufferSpec, CompatRecord, HandshakeError, KVLayout, check_compatible
 from pdserve.disagg.link import LinkConfig, _Link, _Side
 from pdserve.disagg.rooms import RoomState, RoomTable
 from pdserve.disagg.transfer import TransferEngine
@@ -42,8 +42,11 @@ class _DecodeRoom:
 class DecodeTransferManager(_Side):
     def __init__(self, engine: TransferEngine, compat: CompatRecord, layout: KVLayout, tp_rank: int, tp_size: int,
                  wanted: Sequence[str], host: str = "127.0.0.1", cfg: LinkConfig = LinkConfig(),
-                 feature_layers: tuple[int, ...] = ()) -> None:
+                 feature_layers: tuple[int, ...] = (), landing: BufferSpec | None = None) -> None:
+        """``landing``: this rank's landing area (registered with ``engine``), published in
+        the handshake; None: every request is written into its slots."""
         self.engine, self.compat, self.layout = engine, compat, layout
+        self.landing = landing
         self.feature_layers = feature_layers
         self.tp_rank, self.tp_size, self.wanted = tp_rank, tp_size, tuple(wanted)
         self.cfg = cfg
@@ -125,7 +128,7 @@ class DecodeTransferManager(_Side):
                 self._handshakes[addr] = event
             self._link.send(addr, P.Handshake(self.decode_id, self.tp_rank, self.tp_size, self.engine.session_id,
                                               self._link.addr, self.compat, self.layout, self.wanted,
-                                              self.feature_layers, self.engine.metadata()))
+                                              self.feature_layers, self.engine.metadata(), self.landing))
             if not event.wait(self.cfg.handshake_timeout_s):
                 raise HandshakeError(f"prefill rank {info.tp_rank} at {addr} did not answer the handshake within "
                                      f"{self.cfg.handshake_timeout_s:g} s (do both servers use the same "
@@ -140,10 +143,14 @@ class DecodeTransferManager(_Side):
         return peers
 
     def add_room(self, room: int, peers: Sequence[_PrefillPeer], dst_slots: Sequence[int],
-                 want_features: bool = False, first_position: int = 0, want_draft_state: bool = False) -> None:
+                 want_features: bool = False, first_position: int = 0, want_draft_state: bool = False,
+                 landing_offset: int = -1) -> None:
         """Reserve ``room``: tell every prefill rank where the KV of prompt positions
-        ``first_position`` on goes (decode holds the ones before), and what else its
-        draft needs: the target features, or the draft state prefill computed."""
+        ``first_position`` on goes (decode holds the ones before; ``landing_offset`` >= 0:
+        packed into that piece of the landing area, not into ``dst_slots``), and what
+        else its draft needs: the target features, or the draft state prefill computed."""
+        if landing_offset >= 0 and self.landing is None:
+            raise ValueError("a landing piece, but this rank published no landing area")
         self.rooms.open(room)
         with self._lock:
             self._rooms[room] = _DecodeRoom(senders={p.control_addr for p in peers})
@@ -151,7 +158,7 @@ class DecodeTransferManager(_Side):
         # before this thread runs again, and its record moves the room on.
         self.rooms.advance(room, RoomState.WAITING_FOR_INPUT)
         req = P.TransferRequest(room, self.decode_id, first_position, tuple(dst_slots), want_features,
-                                want_draft_state)
+                                want_draft_state, landing_offset)
         for p in peers:
             self._link.send(p.control_addr, req)
 

@@ -39,7 +39,8 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.admission import too_big
 from pdserve.scheduler.batch import Draws, Gain, StepOutput
-from pdserve.disagg.layout import feature_slice
+from pdserve.disagg.landing import LandingArea, LandingRegion, landing_names, landing_regions, worth_landing
+from pdserve.disagg.layout import KVLayout, feature_slice
 from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, carried_state,
                                     compat_record, kv_layout, register_buffers, split_samples, transfer_staging)
 from pdserve.scheduler.kv_manager import pages_for
@@ -72,9 +73,20 @@ class DecodeSide(Mode):
         self.staging = transfer_staging(core, engine)  # type: ignore[arg-type]
         layout = kv_layout(core, self.staging, with_features=True)
         register_buffers(engine, layout)
+        self.layout = layout
+        # The landing area lives where the engine writes: with host staging, in host memory
+        # (a landed request is then copied into the device buffers straight from it).
+        mib = core.args.disaggregation_kv_landing_mib
+        self.landing = (LandingArea(mib << 20, "cpu" if self.staging is not None else core.device)
+                        if mib else None)
+        self.landing_min_run = core.args.disaggregation_kv_landing_min_run
+        if self.landing is not None:
+            register_buffers(engine, KVLayout(layout.page_size, (self.landing.spec,)))
         self.manager = DecodeTransferManager(engine, compat_record(core), layout, tp.rank, tp.size,  # type: ignore
                                              list(layout.names), host=host, cfg=link,
-                                             feature_layers=self.core.spec.capture_layers if self.core.spec else ())
+                                             feature_layers=self.core.spec.capture_layers if self.core.spec else (),
+                                             landing=self.landing.spec if self.landing is not None else None)
+        self.landed_requests = 0  # requests whose KV came through the landing area
         self.fetch_ranks = fetch_ranks
         self.handoffs = HandoffTable(tp)
         self._hold_decode = False  # this step committed first tokens: publish them before decoding
@@ -169,6 +181,7 @@ class DecodeSide(Mode):
             if h.phase is Phase.QUARANTINED and ready is Readiness.DONE:
                 self.handoffs.remove(h)
                 try:
+                    self._give_landing(h)  # (no write can land in it any more either)
                     self.core.kv.drop(h.held_pages)  # type: ignore[arg-type]
                     self.manager.release(h.room)
                 except Exception:  # the request already ended; only its pages are at stake
@@ -257,9 +270,40 @@ class DecodeSide(Mode):
         transferring.append(req)
         spec = self.core.spec is not None
         h.draft_state = spec and self.manager.shares_draft(peers)
-        self.manager.add_room(h.room, peers, slots, want_features=spec and not h.draft_state, first_position=held,
-                              want_draft_state=h.draft_state)
+        want_features = spec and not h.draft_state
+        h.landing_offset = self._take_landing(slots, want_features, h.draft_state)
+        self.manager.add_room(h.room, peers, slots, want_features=want_features, first_position=held,
+                              want_draft_state=h.draft_state, landing_offset=h.landing_offset)
         return growth
+
+    def _landing_regions(self, positions: int, want_features: bool, draft_state: bool
+                         ) -> tuple[tuple[LandingRegion, ...], int]:
+        names = landing_names(self.layout.names, want_features, draft_state)
+        return landing_regions(self.layout, names, positions)
+
+    def _take_landing(self, slots: list[int], want_features: bool, draft_state: bool) -> int:
+        """A landing piece for a request reserved ``slots`` (its offset), when they are
+        scattered and a piece is free; -1: it is written into its slots."""
+        if self.landing is None or not worth_landing(slots, self.landing_min_run):
+            return -1
+        _, size = self._landing_regions(len(slots), want_features, draft_state)
+        offset = self.landing.take(size)
+        return -1 if offset is None else offset
+
+    def _give_landing(self, h: Handoff) -> None:
+        if h.landing_offset >= 0:
+            assert self.landing is not None
+            self.landing.give(h.landing_offset)
+            h.landing_offset = -1
+
+    def _transfer_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers a transfer fills, by name (the device's, not host twins)."""
+        spec = self.core.spec
+        out = dict(self.core.kv.kv_pool.buffers())
+        if spec is not None:
+            out.update(spec.draft_pool.buffers())
+            out["features"] = spec.features
+        return out
 
     def _cached_prefix(self, req: Req) -> PrefixMatch | None:
         """The longest prefix of ``req``'s prompt this server still caches (an earlier
@@ -280,7 +324,16 @@ class DecodeSide(Mode):
         self.manager.release(h.room)
         req = h.req
         received_slots = self.core.kv.slots(req, h.first_position, len(req.prompt_ids))
-        if self.staging is not None:  # the transfer filled the host twins: into the pool before any step
+        if h.landing_offset >= 0:  # the transfer filled the request's landing piece: into its slots
+            assert self.landing is not None
+            regions, _ = self._landing_regions(len(received_slots), not h.draft_state and self.core.spec is not None,
+                                               h.draft_state)
+            try:
+                self.landing.unpack(h.landing_offset, regions, received_slots, self._transfer_buffers())
+            finally:
+                self._give_landing(h)
+            self.landed_requests += 1
+        elif self.staging is not None:  # the transfer filled the host twins: into the pool before any step
             self.staging.stage_in(received_slots)
         if not h.draft_state and self.feature_slice is not None:
             self._feature_slots += received_slots
@@ -386,7 +439,13 @@ class DecodeSide(Mode):
                             quarantined=self.handoffs.count(Phase.QUARANTINED),
                             transfer_bytes=sum(self.bytes_by_kind.values()),
                             transfer_bytes_by_kind=dict(self.bytes_by_kind), prefix_hit_tokens=self.prefix_hit_tokens,
-                            draft_prefill_tokens=self.draft_prefill_tokens)
+                            draft_prefill_tokens=self.draft_prefill_tokens, landing=self.landing_state())
+
+    def landing_state(self) -> dict[str, int]:
+        """The landing area: its size, what is free, the pieces out, the requests landed."""
+        area = self.landing
+        return {"capacity_bytes": area.capacity if area else 0, "free_bytes": area.free_bytes if area else 0,
+                "pieces": area.pieces if area else 0, "landed_requests": self.landed_requests}
 
     def close(self) -> None:
         self.manager.close()

@@ -22,14 +22,18 @@ each feature once whatever decode's TP.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from pdserve.disagg.transfer import WriteBatch, coalesce
 
-PROTOCOL_VERSION = 6  # 2: WritesDone acknowledges a failed room's writes; 3: TransferRequest.first_position;
+if TYPE_CHECKING:
+    from pdserve.disagg.landing import LandingRegion
+
+PROTOCOL_VERSION = 7  # 2: WritesDone acknowledges a failed room's writes; 3: TransferRequest.first_position;
 #                       4: signed frames carry a MAC over their raw bytes and name their recipient;
 #                       5: the draft-state hand-off (draft KV + DraftState instead of features);
-#                       6: a decode TP rank receives only its slice of the features (BufferSpec.receives)
+#                       6: a decode TP rank receives only its slice of the features (BufferSpec.receives);
+#                       7: a landing area (Handshake.landing, TransferRequest.landing_offset)
 
 
 class HandshakeError(ValueError):
@@ -225,6 +229,23 @@ class TransferPlan:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(p.dst.name for p in self.pairs)
+
+    def landed(self, base: int, regions: Sequence["LandingRegion"], positions: int) -> "TransferPlan":
+        """This plan writing into a landing piece at address ``base`` (``landing.py``)
+        instead of decode's slots: destination "slot" i is the piece's row of position i
+        in each buffer's region, so consecutive positions are consecutive there. Every
+        pair's buffer must have a region (KeyError otherwise: a bug)."""
+        by_name = {r.name: r for r in regions}
+        pairs = []
+        for p in self.pairs:
+            r = by_name[p.dst.name]
+            offset = p.dst_offset - r.skip
+            if offset < 0 or offset + p.length > r.row_bytes:
+                raise HandshakeError(f"buffer {p.dst.name!r}: bytes {p.dst_offset}+{p.length} of a slot are "
+                                     f"outside the {r.row_bytes} received from byte {r.skip}")
+            dst = BufferSpec(p.dst.name, base + r.offset, positions, r.row_bytes)
+            pairs.append(BufferPair(p.src, dst, p.src_offset, offset, p.length))
+        return TransferPlan(tuple(pairs))
 
 
 def plan_transfer(src: KVLayout, dst: KVLayout, wanted: Iterable[str], prefill_rank: int = 0,

@@ -21,12 +21,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from pdserve.disagg import protocol as P
 from pdserve.disagg.layout import (BufferSpec, CompatRecord, HandshakeError, HeadRange, KVLayout, TransferPlan,
                                    check_compatible, plan_transfer)
+from pdserve.disagg.landing import landing_names, landing_regions
 from pdserve.disagg.link import LinkConfig, _Link, _Side
 from pdserve.disagg.rooms import RoomError, RoomState, RoomTable
 from pdserve.disagg.transfer import TransferEngine, TransferError
@@ -53,6 +54,41 @@ class _PrefillRoom:
     record: P.HandoffRecord | None = None  # set by finish(); sent once pending == 0
     acked: bool = False                    # decode told that no write is left in flight
     released: bool = False                 # the scheduler is done; drop once pending == 0
+    # Per decode rank: its plans for this room (into its slots or its landing piece), made
+    # at the room's first write (transfer thread only).
+    plans: dict[str, "_RoomPlans"] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _RoomPlans:
+    """What one decode rank's request of a room is written with."""
+    target: TransferPlan
+    features: TransferPlan | None
+    draft: TransferPlan | None
+    landed: bool  # into the rank's landing piece: destination i is position i of the request
+
+
+def room_plans(peer: _DecodePeer, request: P.TransferRequest) -> _RoomPlans:
+    """The plans of one decode rank's request: its peer's, or, when the request asked for
+    a landing piece, the same writes aimed at that piece (TransferError if the piece is
+    not within the landing area decode published)."""
+    if request.landing_offset < 0:
+        return _RoomPlans(peer.plan, peer.feature_plan, peer.draft_plan, False)
+    hs = peer.handshake
+    if hs.landing is None:
+        raise TransferError("decode asked for a landing piece but published no landing area")
+    positions = len(request.dst_slots)
+    names = landing_names(hs.wanted, request.want_features, request.want_draft_state)
+    regions, size = landing_regions(hs.layout, names, positions)
+    if request.landing_offset + size > hs.landing.num_slots * hs.landing.slot_bytes:
+        raise TransferError(f"a landing piece of {size} bytes at {request.landing_offset} is outside decode's "
+                            f"{hs.landing.num_slots * hs.landing.slot_bytes}-byte landing area")
+    base = hs.landing.ptr + request.landing_offset
+
+    def land(plan: TransferPlan | None) -> TransferPlan | None:
+        return plan.landed(base, regions, positions) if plan is not None else None
+    return _RoomPlans(peer.plan.landed(base, regions, positions), land(peer.feature_plan), land(peer.draft_plan),
+                      True)
 
 
 class PrefillTransferManager(_Side):
@@ -325,24 +361,28 @@ class PrefillTransferManager(_Side):
                 if not src:
                     continue
                 start = first + skip - request.first_position
-                dst = request.dst_slots[start: start + len(src)]
-                if len(dst) != len(src):
+                if start + len(src) > len(request.dst_slots):
                     raise TransferError(f"positions {first}..{first + len(src_slots)} exceed the "
                                         f"{request.first_position} + {len(request.dst_slots)} positions decode "
                                         "holds and reserved")
+                plans = pr.plans.get(request.decode_id)
+                if plans is None:
+                    plans = pr.plans[request.decode_id] = room_plans(peer, request)
+                dst: Sequence[int] = (range(start, start + len(src)) if plans.landed
+                                      else request.dst_slots[start: start + len(src)])
                 t0 = time.perf_counter()
                 if draft:
-                    if not request.want_draft_state or peer.draft_plan is None:
+                    if not request.want_draft_state or plans.draft is None:
                         continue  # that decode rank drafts from features, or another rank sends
-                    batch = peer.draft_plan.writes(src, dst)
+                    batch = plans.draft.writes(src, dst)
                     self.engine.write(peer.handshake.session_id, batch)
                     self.transfer_seconds += time.perf_counter() - t0
                     self.bytes_by_kind["draft_kv"] += batch.nbytes
                     continue
-                batch = peer.plan.writes(src, dst)
+                batch = plans.target.writes(src, dst)
                 kv_bytes, feature_bytes = batch.nbytes, 0
-                if request.want_features and peer.feature_plan is not None:
-                    extra = peer.feature_plan.writes(src, dst)
+                if request.want_features and plans.features is not None:
+                    extra = plans.features.writes(src, dst)
                     feature_bytes = extra.nbytes
                     batch = type(batch)(batch.src + extra.src, batch.dst + extra.dst,
                                         batch.lengths + extra.lengths)

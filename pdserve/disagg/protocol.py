@@ -185,6 +185,9 @@ class Handshake:
     # What the prefill rank's engine needs to write into this rank's memory, base64
     # (NIXL's agent metadata: the memory keys); "" for engines that need none (Mooncake).
     engine_metadata: str = ""
+    # This rank's landing area (landing.py), where a request with scattered slots may ask
+    # for its KV packed instead (TransferRequest.landing_offset); None: it has none.
+    landing: BufferSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,9 @@ class TransferRequest:
     # Decode runs the same draft as prefill (CompatRecord.shares_draft_with): send the
     # draft KV of those positions and the record's DraftState instead of features.
     want_draft_state: bool = False
+    # Bytes into decode's landing area (Handshake.landing) where this request's positions
+    # go, packed (landing.landing_regions) instead of into dst_slots; -1: into dst_slots.
+    landing_offset: int = -1
 
 
 @dataclass(frozen=True)

@@ -159,12 +159,12 @@ def test_compat_record_names_the_mismatch():
     check_compatible(eagle, base)   # and the reverse
     with pytest.raises(HandshakeError, match="speculative_algorithm: EAGLE vs EAGLE3"):
         check_compatible(eagle, eagle3)
-    # A peer of the previous protocol (whole feature rows to every decode rank) is refused by name.
-    old = CompatRecord(**{**base.__dict__, "protocol_version": 5})
-    with pytest.raises(HandshakeError, match=f"protocol_version: 5 vs {PROTOCOL_VERSION} \\(pdserve releases with "
+    # A peer of the previous protocol (no landing area) is refused by name.
+    old = CompatRecord(**{**base.__dict__, "protocol_version": 6})
+    with pytest.raises(HandshakeError, match=f"protocol_version: 6 vs {PROTOCOL_VERSION} \\(pdserve releases with "
                                              "different PD protocols: run the same release on both sides\\)"):
         check_compatible(old, base)
-    assert PROTOCOL_VERSION == 6
+    assert PROTOCOL_VERSION == 7
 
 
 def test_only_the_same_draft_and_top_k_share_the_draft_state():
