@@ -85,10 +85,10 @@ def room_plans(peer: _DecodePeer, request: P.TransferRequest) -> _RoomPlans:
                             f"{hs.landing.num_slots * hs.landing.slot_bytes}-byte landing area")
     base = hs.landing.ptr + request.landing_offset
 
-    def land(plan: TransferPlan | None) -> TransferPlan | None:
-        return plan.landed(base, regions, positions) if plan is not None else None
-    return _RoomPlans(peer.plan.landed(base, regions, positions), land(peer.feature_plan), land(peer.draft_plan),
-                      True)
+    def land(plan: TransferPlan | None, wanted: bool) -> TransferPlan | None:
+        return plan.landed(base, regions, positions) if plan is not None and wanted else None
+    return _RoomPlans(peer.plan.landed(base, regions, positions), land(peer.feature_plan, request.want_features),
+                      land(peer.draft_plan, request.want_draft_state), True)
 
 
 class PrefillTransferManager(_Side):

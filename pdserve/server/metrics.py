@@ -33,6 +33,9 @@ class ServerMetrics:
         self.pd_prefix_hits = Gauge("pdserve:decode_prefix_hit_tokens_total",
                                     "Decode server: prompt tokens served from its own prefix cache instead of "
                                     "transferred", registry=r)
+        self.pd_landed = Gauge("pdserve:decode_landed_requests_total",
+                               "Decode server: requests whose scattered KV slots received their transfer "
+                               "through the landing area (packed, then copied into the slots)", registry=r)
         self.pd_transfer_seconds = Gauge("pdserve:kv_transfer_seconds", "Time spent in KV writes", registry=r)
         self.pd_failures = Gauge("pdserve:disagg_failures", "Failed transfer rooms by reason", ["reason"],
                                  registry=r)
@@ -70,6 +73,8 @@ class ServerMetrics:
                 self.pd_draft_prefill.set(pd["draft_prefill_tokens"])
             if "prefix_hit_tokens" in pd:
                 self.pd_prefix_hits.set(pd["prefix_hit_tokens"])
+            if "landing" in pd:
+                self.pd_landed.set(pd["landing"]["landed_requests"])
             self.pd_refused.set(pd.get("refused_messages", 0))
             self.pd_transfer_seconds.set(pd.get("transfer_seconds", 0.0))
 

@@ -139,6 +139,27 @@ def test_300_concurrent_requests_over_1p1d_lose_nothing(dirs, make_engine):
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
 
 
+@pytest.mark.parametrize("backend,d_tp", [("mooncake", 1), ("nixl", 1), ("mooncake", 2)],
+                         ids=["mooncake", "nixl", "mooncake-d-tp2"])
+def test_landed_transfers_over_real_engines(dirs, make_engine, backend, d_tp):
+    """Every decode reserve lands (--disaggregation-kv-landing-min-run past any prompt) at
+    page size 1: the engine writes into decode's registered landing area, decode copies
+    each request into its slots at commit; outputs equal colocated and the area is whole
+    again afterwards."""
+    target, _ = dirs
+    rng, prompts, ref = prompts_and_reference(make_engine, target, 31, 6, 20, 70, GREEDY)
+    boot = free_port()
+    with pd_pair(target, boot, ("--page-size", "1", "--chunked-prefill-size", "16"),
+                 ("--page-size", "1", "--tp-size", str(d_tp), "--disaggregation-kv-landing-min-run", "1000000000"),
+                 backend) as (p, d):
+        outs = pd_generate_all(p, d, boot, prompts, GREEDY, [rng.getrandbits(63) for _ in prompts])
+        assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
+        landing = d.wait_idle()["disaggregation"]["landing"]
+        assert landing["landed_requests"] == len(prompts), landing
+        assert landing["free_bytes"] == landing["capacity_bytes"] == 64 << 20 and landing["pieces"] == 0, landing
+        assert metric_values(d.client.get("/metrics").text)["pdserve:decode_landed_requests_total"] == len(prompts)
+
+
 @pytest.mark.parametrize("p_tp,d_tp,decode_spec", [(1, 2, False), (2, 1, False)], ids=["p-tp1-d-tp2", "p-tp2-d-tp1"])
 def test_heterogeneous_tensor_parallel_pairs(dirs, make_engine, p_tp, d_tp, decode_spec):
     """Prefill and decode shard the KV heads differently: each prefill rank writes the
