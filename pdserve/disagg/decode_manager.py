@@ -27,7 +27,7 @@ from pdserve.disagg.transfer import TransferEngine
 
 
 @dataclass
-class _PrefillPeer:
+class PrefillPeer:
     info: P.RankInfo
     control_addr: str
 
@@ -55,7 +55,7 @@ class DecodeTransferManager(_Side):
         self._rooms: dict[int, _DecodeRoom] = {}
         self._handshakes: dict[str, threading.Event] = {}
         self._handshake_error: dict[str, str] = {}
-        self._connected: dict[str, list[_PrefillPeer]] = {}   # bootstrap url -> prefill ranks
+        self._connected: dict[str, list[PrefillPeer]] = {}   # bootstrap url -> prefill ranks
         self._attempts: dict[str, tuple[str, str, float]] = {}  # bootstrap url -> (state, failure reason, when)
         # Connection attempts are bounded whatever the requests name: a few at a time
         # (the rest queue), and a server that just failed is not tried again at once.
@@ -103,7 +103,7 @@ class DecodeTransferManager(_Side):
             self._connecting -= 1
             self._start_connecting()
 
-    def connection(self, bootstrap_url: str) -> tuple[str, list[_PrefillPeer] | str]:
+    def connection(self, bootstrap_url: str) -> tuple[str, list[PrefillPeer] | str]:
         """("ok", peers), ("pending", "") or ("failed", reason) for a prefill server."""
         with self._lock:
             peers = self._connected.get(bootstrap_url)
@@ -114,7 +114,7 @@ class DecodeTransferManager(_Side):
                 return "failed", f"lost the prefill server at {bootstrap_url}"
             return state, reason
 
-    def connect(self, bootstrap_url: str, ranks: Sequence[P.RankInfo]) -> list[_PrefillPeer]:
+    def connect(self, bootstrap_url: str, ranks: Sequence[P.RankInfo]) -> list[PrefillPeer]:
         """Handshake with every prefill rank of one prefill server (blocking, once)."""
         with self._lock:
             if bootstrap_url in self._connected:
@@ -137,12 +137,12 @@ class DecodeTransferManager(_Side):
             if err:
                 raise HandshakeError(err)
             self._link.watch(addr)
-            peers.append(_PrefillPeer(info, addr))
+            peers.append(PrefillPeer(info, addr))
         with self._lock:
             self._connected[bootstrap_url] = peers
         return peers
 
-    def add_room(self, room: int, peers: Sequence[_PrefillPeer], dst_slots: Sequence[int],
+    def add_room(self, room: int, peers: Sequence[PrefillPeer], dst_slots: Sequence[int],
                  want_features: bool = False, first_position: int = 0, want_draft_state: bool = False,
                  landing_offset: int = -1) -> None:
         """Reserve ``room``: tell every prefill rank where the KV of prompt positions
@@ -162,7 +162,7 @@ class DecodeTransferManager(_Side):
         for p in peers:
             self._link.send(p.control_addr, req)
 
-    def shares_draft(self, peers: Sequence[_PrefillPeer]) -> bool:
+    def shares_draft(self, peers: Sequence[PrefillPeer]) -> bool:
         """Whether every prefill rank of a connection runs this server's draft (same head,
         same top-k): its requests then start from the draft state prefill computed."""
         return bool(peers) and all(self.compat.shares_draft_with(p.info.compat) for p in peers)

@@ -33,6 +33,7 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.disagg import protocol as P
 from pdserve.disagg.bootstrap import bootstrap_url
+from pdserve.disagg.decode_manager import PrefillPeer
 from pdserve.disagg.manager import DecodeTransferManager, LinkConfig
 from pdserve.disagg.rooms import RoomState
 from pdserve.model.parallel import TPGroup
@@ -40,7 +41,7 @@ from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.admission import too_big
 from pdserve.scheduler.batch import Draws, Gain, StepOutput
 from pdserve.disagg.landing import LandingArea, LandingRegion, landing_names, landing_regions, worth_landing
-from pdserve.disagg.layout import KVLayout, feature_slice
+from pdserve.disagg.layout import HeadRange, KVLayout, feature_slice
 from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, carried_state,
                                     compat_record, kv_layout, register_buffers, split_samples, transfer_staging)
 from pdserve.scheduler.kv_manager import pages_for
@@ -50,6 +51,18 @@ from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def peer_head_ranges(peers: list[PrefillPeer], names: tuple[str, ...]) -> dict[str, list[HeadRange]]:
+    """Each head-sharded buffer of ``names`` with the heads every prefill rank of a
+    connection holds of it, in rank order (as those ranks published their layouts)."""
+    ranks = sorted(peers, key=lambda p: p.info.tp_rank)
+    out = {}
+    for name in names:
+        specs = [p.info.layout.by_name().get(name) for p in ranks]
+        if specs and all(s is not None and s.heads is not None for s in specs):
+            out[name] = [s.heads for s in specs]  # type: ignore[union-attr]
+    return out
 
 
 def decode_scheduler(args: ServerArgs, runner: ModelRunner, decode_text: Callable[[list[int]], str],
@@ -271,30 +284,28 @@ class DecodeSide(Mode):
         spec = self.core.spec is not None
         h.draft_state = spec and self.manager.shares_draft(peers)
         want_features = spec and not h.draft_state
-        h.landing_offset = self._take_landing(slots, want_features, h.draft_state)
+        h.landing_offset, h.landing_regions = self._take_landing(slots, want_features, h.draft_state, peers)
         self.manager.add_room(h.room, peers, slots, want_features=want_features, first_position=held,
                               want_draft_state=h.draft_state, landing_offset=h.landing_offset)
         return growth
 
-    def _landing_regions(self, positions: int, want_features: bool, draft_state: bool
-                         ) -> tuple[tuple[LandingRegion, ...], int]:
-        names = landing_names(self.layout.names, want_features, draft_state)
-        return landing_regions(self.layout, names, positions)
-
-    def _take_landing(self, slots: list[int], want_features: bool, draft_state: bool) -> int:
-        """A landing piece for a request reserved ``slots`` (its offset), when they are
-        scattered and a piece is free; -1: it is written into its slots."""
+    def _take_landing(self, slots: list[int], want_features: bool, draft_state: bool, peers: list[PrefillPeer]
+                      ) -> tuple[int, tuple[LandingRegion, ...]]:
+        """A landing piece for a request reserved ``slots``, when they are scattered and a
+        piece is free: its offset and regions (cut by the prefill ranks ``peers`` that
+        write it); (-1, ()): it is written into its slots."""
         if self.landing is None or not worth_landing(slots, self.landing_min_run):
-            return -1
-        _, size = self._landing_regions(len(slots), want_features, draft_state)
+            return -1, ()
+        names = landing_names(self.layout.names, want_features, draft_state)
+        regions, size = landing_regions(self.layout, names, len(slots), peer_head_ranges(peers, names))
         offset = self.landing.take(size)
-        return -1 if offset is None else offset
+        return (-1, ()) if offset is None else (offset, regions)
 
     def _give_landing(self, h: Handoff) -> None:
         if h.landing_offset >= 0:
             assert self.landing is not None
             self.landing.give(h.landing_offset)
-            h.landing_offset = -1
+            h.landing_offset, h.landing_regions = -1, ()
 
     def _transfer_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers a transfer fills, by name (the device's, not host twins)."""
@@ -326,10 +337,8 @@ class DecodeSide(Mode):
         received_slots = self.core.kv.slots(req, h.first_position, len(req.prompt_ids))
         if h.landing_offset >= 0:  # the transfer filled the request's landing piece: into its slots
             assert self.landing is not None
-            regions, _ = self._landing_regions(len(received_slots), not h.draft_state and self.core.spec is not None,
-                                               h.draft_state)
             try:
-                self.landing.unpack(h.landing_offset, regions, received_slots, self._transfer_buffers())
+                self.landing.unpack(h.landing_offset, h.landing_regions, received_slots, self._transfer_buffers())
             finally:
                 self._give_landing(h)
             self.landed_requests += 1

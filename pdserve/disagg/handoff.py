@@ -76,6 +76,7 @@ class Handoff:
     first_position: int = 0               # decode: prompt positions served from its own prefix cache
     draft_state: bool = False             # decode: starts from prefill's draft state (no draft prefill here)
     landing_offset: int = -1              # decode: its piece of the landing area (-1: written into its slots)
+    landing_regions: tuple = ()           # decode: that piece's regions (landing.LandingRegion)
     held_pages: torch.Tensor | None = None  # decode, quarantined: pages kept out of use
     release_at: float = 0.0               # decode, quarantined: freed then at the latest
 

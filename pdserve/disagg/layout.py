@@ -233,18 +233,17 @@ class TransferPlan:
     def landed(self, base: int, regions: Sequence["LandingRegion"], positions: int) -> "TransferPlan":
         """This plan writing into a landing piece at address ``base`` (``landing.py``)
         instead of decode's slots: destination "slot" i is the piece's row of position i
-        in each buffer's region, so consecutive positions are consecutive there. Every
-        pair's buffer must have a region (KeyError otherwise: a bug)."""
-        by_name = {r.name: r for r in regions}
+        in the region holding the pair's bytes, so consecutive positions are consecutive
+        there (HandshakeError when no region holds them)."""
         pairs = []
         for p in self.pairs:
-            r = by_name[p.dst.name]
-            offset = p.dst_offset - r.skip
-            if offset < 0 or offset + p.length > r.row_bytes:
-                raise HandshakeError(f"buffer {p.dst.name!r}: bytes {p.dst_offset}+{p.length} of a slot are "
-                                     f"outside the {r.row_bytes} received from byte {r.skip}")
+            r = next((r for r in regions if r.name == p.dst.name and r.skip <= p.dst_offset
+                      and p.dst_offset + p.length <= r.skip + r.row_bytes), None)
+            if r is None:
+                raise HandshakeError(f"buffer {p.dst.name!r}: bytes {p.dst_offset}+{p.length} of a slot are in no "
+                                     "region of the landing piece")
             dst = BufferSpec(p.dst.name, base + r.offset, positions, r.row_bytes)
-            pairs.append(BufferPair(p.src, dst, p.src_offset, offset, p.length))
+            pairs.append(BufferPair(p.src, dst, p.src_offset, p.dst_offset - r.skip, p.length))
         return TransferPlan(tuple(pairs))
 
 

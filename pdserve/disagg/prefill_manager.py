@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from pdserve.disagg import protocol as P
 from pdserve.disagg.layout import (BufferSpec, CompatRecord, HandshakeError, HeadRange, KVLayout, TransferPlan,
@@ -68,10 +68,12 @@ class _RoomPlans:
     landed: bool  # into the rank's landing piece: destination i is position i of the request
 
 
-def room_plans(peer: _DecodePeer, request: P.TransferRequest) -> _RoomPlans:
+def room_plans(peer: _DecodePeer, request: P.TransferRequest,
+               senders: Mapping[str, Sequence[HeadRange]] | None = None) -> _RoomPlans:
     """The plans of one decode rank's request: its peer's, or, when the request asked for
     a landing piece, the same writes aimed at that piece (TransferError if the piece is
-    not within the landing area decode published)."""
+    not within the landing area decode published). ``senders``: every prefill rank's heads
+    of each head-sharded buffer (the piece's regions follow them)."""
     if request.landing_offset < 0:
         return _RoomPlans(peer.plan, peer.feature_plan, peer.draft_plan, False)
     hs = peer.handshake
@@ -79,7 +81,7 @@ def room_plans(peer: _DecodePeer, request: P.TransferRequest) -> _RoomPlans:
         raise TransferError("decode asked for a landing piece but published no landing area")
     positions = len(request.dst_slots)
     names = landing_names(hs.wanted, request.want_features, request.want_draft_state)
-    regions, size = landing_regions(hs.layout, names, positions)
+    regions, size = landing_regions(hs.layout, names, positions, senders)
     if request.landing_offset + size > hs.landing.num_slots * hs.landing.slot_bytes:
         raise TransferError(f"a landing piece of {size} bytes at {request.landing_offset} is outside decode's "
                             f"{hs.landing.num_slots * hs.landing.slot_bytes}-byte landing area")
@@ -89,6 +91,18 @@ def room_plans(peer: _DecodePeer, request: P.TransferRequest) -> _RoomPlans:
         return plan.landed(base, regions, positions) if plan is not None and wanted else None
     return _RoomPlans(peer.plan.landed(base, regions, positions), land(peer.feature_plan, request.want_features),
                       land(peer.draft_plan, request.want_draft_state), True)
+
+
+def sender_ranges(layout: KVLayout, target: Sequence[HeadRange] | None,
+                  draft: Sequence[HeadRange] | None) -> dict[str, list[HeadRange]]:
+    """Each head-sharded buffer of ``layout`` with every prefill rank's heads of it (the
+    target's or the draft's ranges); a buffer whose ranges are not known is left out."""
+    out = {}
+    for b in layout.buffers:
+        ranges = draft if b.name.startswith("draft.") else target
+        if b.heads is not None and ranges:
+            out[b.name] = list(ranges)
+    return out
 
 
 class PrefillTransferManager(_Side):
@@ -105,6 +119,10 @@ class PrefillTransferManager(_Side):
         self._provide_features = provide_features
         self.tp_rank, self.head_ranges = tp_rank, list(head_ranges) if head_ranges else None
         self.draft_head_ranges = list(draft_head_ranges) if draft_head_ranges else None
+        # Every prefill rank's heads of each head-sharded buffer: how a decode rank's
+        # landing piece is cut (landing.landing_regions; decode reads them from the ranks'
+        # layouts).
+        self.sender_ranges = sender_ranges(layout, self.head_ranges, self.draft_head_ranges)
         self.rooms = RoomTable(cfg.deadlines)
         self._peers: dict[str, _DecodePeer] = {}
         self._by_addr: dict[str, str] = {}
@@ -367,7 +385,7 @@ class PrefillTransferManager(_Side):
                                         "holds and reserved")
                 plans = pr.plans.get(request.decode_id)
                 if plans is None:
-                    plans = pr.plans[request.decode_id] = room_plans(peer, request)
+                    plans = pr.plans[request.decode_id] = room_plans(peer, request, self.sender_ranges)
                 dst: Sequence[int] = (range(start, start + len(src)) if plans.landed
                                       else request.dst_slots[start: start + len(src)])
                 t0 = time.perf_counter()

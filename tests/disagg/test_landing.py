@@ -22,11 +22,12 @@ pytestmark = pytest.mark.fast
 
 
 def land_and_unpack(plans: list, dst_layout: KVLayout, dst_buffers: dict[str, torch.Tensor], src_slots: list[int],
-                    dst_slots: list[int], names: list[str], area: LandingArea | None = None) -> list[int]:
+                    dst_slots: list[int], names: list[str], area: LandingArea | None = None,
+                    senders: dict | None = None) -> list[int]:
     """Write ``src_slots`` through each plan (one per prefill rank) into a landing piece for
     ``dst_slots`` and unpack it; the entry count of each plan's batch."""
     area = area or LandingArea(1 << 20)
-    regions, size = landing_regions(dst_layout, names, len(dst_slots))
+    regions, size = landing_regions(dst_layout, names, len(dst_slots), senders)
     offset = area.take(size)
     assert offset is not None
     entries = []
@@ -65,14 +66,21 @@ def test_landing_moves_every_head_once_across_tp_sizes(kv_heads, p_tp, d_tp):
     d_ranges = [kv_head_range(kv_heads, r, d_tp) for r in range(d_tp)]
     p_bufs = [{"target.L0.K": full[:, hr.start: hr.end].contiguous()} for hr in p_ranges]
     d_bufs = [{"target.L0.K": torch.zeros(SLOTS, hr.count, HEAD_DIM)} for hr in d_ranges]
-    src_slots, dst_slots = [0, 3, 4, 5], [8, 2, 6, 1]
+    src_slots, dst_slots = [3, 4, 5, 6], [8, 2, 6, 1]
     for dr in range(d_tp):
         dst_layout = layout(d_bufs[dr], heads=d_ranges[dr])
         plans = [plan_transfer(layout(p_bufs[pr], heads=p_ranges[pr]), dst_layout, wanted=["target.L0.K"],
                                prefill_rank=pr, prefill_head_ranges=p_ranges) for pr in range(p_tp)]
-        land_and_unpack(plans, dst_layout, d_bufs[dr], src_slots, dst_slots, ["target.L0.K"])
+        entries = land_and_unpack(plans, dst_layout, d_bufs[dr], src_slots, dst_slots, ["target.L0.K"],
+                                  senders={"target.L0.K": p_ranges})
         hr = d_ranges[dr]
         assert torch.equal(d_bufs[dr]["target.L0.K"][dst_slots], full[src_slots][:, hr.start: hr.end])
+        # One region per sending prefill rank: a rank that sends its whole slot writes one
+        # entry for the run of positions, whatever else fills the decode slot (its heads
+        # are a strided part of the prefill slot only when decode holds fewer of them).
+        for plan, n in zip(plans, entries):
+            whole = all(p.length == p.src.slot_bytes for p in plan.pairs)
+            assert n == (len(plan.pairs) if whole else len(plan.pairs) * len(src_slots)), (plan, n)
 
 
 @pytest.mark.parametrize("d_tp", [1, 2, 4])
@@ -118,7 +126,7 @@ def test_a_plan_that_would_write_outside_a_landing_row_is_refused():
     plan = plan_transfer(layout(src), layout(dst), wanted=["target.L0.K"])
     regions, _ = landing_regions(layout(dst), ["target.L0.K"], 3)
     narrow = [type(regions[0])(regions[0].name, 0, regions[0].row_bytes // 2, 0)]
-    with pytest.raises(HandshakeError, match="outside"):
+    with pytest.raises(HandshakeError, match="in no region"):
         plan.landed(0, narrow, 3)
 
 
