@@ -923,7 +923,8 @@ def main(argv: list[str] | None = None) -> None:
                  "landing area, timed with the receiver's unpack into the slots (a pipe command)"
                  if extent else "")
               + f". entries: the plan's write entries (* = the first {args.max_entries} timed); "
-              "tokens/run: tokens per run of consecutive slots on both sides. unsplit: contiguous with the "
+              "tokens/run: tokens per run of consecutive slots on both sides (landed: on the source side). "
+              "unsplit: contiguous with the "
               "engine's max_entry_bytes = None (n/a: the engine does not split entries).\n", flush=True)
         for line in table_header(args.page_sizes):
             print(line)
