@@ -21,7 +21,16 @@ both sides become one entry per buffer) as:
   independently), with the allocator's stack policy everywhere ("stack", the old
   allocator) and, where the allocator has ``alloc_ids(n, contiguous=...)``, with runs for
   prompt chunks and reserves ("extent"); each with its average run length (tokens per
-  joint run of consecutive slots on both sides);
+  joint run of consecutive slots on both sides). Both sides are churned as a decode
+  server's pool there (background requests decode); where the allocator has the extent
+  policy, also role-true ("pd"): the source churned as a prefill server's pool (requests
+  leave once their prompt is in: no decode steps), the destination as extent's reserve;
+- landed, at each page size with the extent policy: pd's slots moved the way pdserve
+  moves a request whose decode slots are scattered (``pdserve.disagg.landing``): the
+  receiver owns a registered landing area (published with its layout), the sender writes
+  the request packed in a piece of it (``plan.landed(...).writes``: one entry per source
+  run and buffer) and the time includes the receiver's ``unpack`` into the slots (asked
+  over the pipe, so a little more than decode pays); tokens/run counts source runs;
 - fully shuffled: page size 1, the destination slots a random permutation (the worst
   case: one entry per token per buffer).
 
@@ -33,11 +42,13 @@ threads, as in a server). Each figure is the best of at least ``--repeats`` writ
 one warm-up write (the first write to a peer includes its connection); a fast write is
 repeated for 0.3 s (at most 100 times), and no new write starts once a pattern has taken
 ``--pattern-seconds``. Every pattern written whole is checked on the receiver: its
-destination slots, blanked before, hold the sender's values in every buffer. A batch of
+destination slots, blanked before, hold the sender's values in every buffer (landed:
+after the unpack, from a piece blanked before). A batch of
 more than ``--max-entries`` entries is timed on its first ``--max-entries`` entries
 (marked ``*``): per-entry cost dominates there, so the prefix's GB/s is the whole batch's,
 and Mooncake needs ~20 s for half a million 512-byte entries. Memory: about
-``2 * --pool-factor`` times the largest request, split between the two processes.
+``2 * --pool-factor + 1`` times the largest request (the landing area holds one), split
+between the two processes.
 
 Part 2, TTFT split (``--ttft-engine``): a prefill and a decode scheduler (each with its
 own engine over loopback TCP, in one process) serve one long prompt at a time; the time to
@@ -59,13 +70,14 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from pdserve.config import PD_PAGE_SIZE
+from pdserve.disagg.landing import LANDING_ALIGN, LandingArea, LandingRegion, landing_regions, slot_runs
 from pdserve.disagg.layout import BufferSpec, KVLayout, plan_transfer
 from pdserve.disagg.transfer import WriteBatch
 from pdserve.scheduler.kv_manager import pages_for
@@ -130,8 +142,16 @@ class Churn:
     min_prompt: int = 16       # background prompts: log-uniform in [min_prompt, max(4 * min_prompt,
     #                            the measured request)] tokens
     max_output: int = 256      # background outputs: uniform in [1, max_output] tokens
+    # Whether the background requests decode after their prompt (a decode or colocated
+    # server's pool: every step grows each of them by a token). False: a prefill server's
+    # pool, where a request leaves once its prompt is computed and sent (its first token
+    # is decode's business): each step one random request leaves (transfers to different
+    # decode servers end in any order) and no page is ever taken one at a time.
+    decodes: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.decodes, bool):
+            raise ValueError(f"Churn.decodes must be True or False, got {self.decodes!r}")
         for name in ("min_pool_tokens", "steps", "chunk", "min_prompt", "max_output"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Churn.{name} must be at least 1, got {getattr(self, name)}")
@@ -178,7 +198,9 @@ def churn_slots(tokens: int, page_size: int, *, seed: int, extent: bool, reserve
     finds no free page a random request is retracted. After ``churn.steps`` steps past
     the first time the pool reached ``fill``, random requests are released until the
     measured one fits, which is then allocated in prompt chunks (a prefill server) or, with
-    ``reserve``, in one allocation (a decode server's PD reserve).
+    ``reserve``, in one allocation (a decode server's PD reserve). With ``churn.decodes``
+    False (a prefill server's pool) a step admits, then releases one random request: no
+    decode growth at all.
 
     ``extent``: prompt chunks and the reserve ask the allocator for runs
     (``alloc_ids(n, contiguous=True)``; decode growth never does); ValueError when
@@ -214,10 +236,7 @@ def churn_slots(tokens: int, page_size: int, *, seed: int, extent: bool, reserve
             for start in range(0, prompt, churn.chunk):
                 grow(req, min(start + churn.chunk, prompt), **runs)
 
-    filled, step, warm, warm_cap = False, 0, 0, 10 * churn.steps
-    while step < churn.steps:
-        admit()
-        filled = filled or alloc.capacity - alloc.num_free >= churn.fill * alloc.capacity * 0.97
+    def decode_step() -> None:
         decoding = [r for r in live if r.kv_len - r.prompt < r.output]
         needy = [r for r in decoding if r.kv_len % ps == 0]
         while len(needy) > alloc.num_free:  # no room for this step: retract a random request
@@ -232,6 +251,15 @@ def churn_slots(tokens: int, page_size: int, *, seed: int, extent: bool, reserve
             r.kv_len += 1
         for r in [r for r in live if r.kv_len - r.prompt >= r.output]:
             release(r)
+
+    filled, step, warm, warm_cap = False, 0, 0, 10 * churn.steps
+    while step < churn.steps:
+        admit()
+        filled = filled or alloc.capacity - alloc.num_free >= churn.fill * alloc.capacity * 0.97
+        if churn.decodes:
+            decode_step()
+        elif live:  # a prefill server: a request whose prompt is done and sent leaves
+            release(rng.choice(live))
         warm += 1
         if filled or warm > warm_cap:  # (a pool that never quite reaches ``fill`` churns all the same)
             step += 1
@@ -267,20 +295,38 @@ def run_length(src: Sequence[int], dst: Sequence[int]) -> float:
 @dataclass(frozen=True)
 class Pattern:
     """One way of placing the request's slots: its column and its slots on each side."""
-    key: str            # "contiguous", "shuffle", "stack p1", "extent p16", ...
+    key: str            # "contiguous", "shuffle", "stack p1", "extent p16", "pd p1", "landed p1", ...
     src: tuple[int, ...]
     dst: tuple[int, ...]
+    # Written into the receiver's landing area (position i at row i), then unpacked into
+    # ``dst`` by the receiver: how pdserve moves a request whose decode slots are scattered.
+    landed: bool = False
 
     @property
     def tokens_per_run(self) -> float:
+        """Tokens per write entry and buffer: runs consecutive on both sides, or, landed,
+        on the source side only (the landing piece is consecutive)."""
+        if self.landed:
+            return len(self.src) / slot_runs(self.src) if self.src else 0.0
         return run_length(self.src, self.dst)
+
+
+def prefill_server(churn: Churn) -> Churn:
+    """``churn`` as a prefill server's pool sees it: the same pool and prompts, no decode."""
+    return replace(churn, decodes=False)
 
 
 def patterns(tokens: int, page_sizes: Sequence[int], seed: int, churn: Churn,
              allocator_cls: type = PageAllocator) -> list[Pattern]:
     """Every pattern of one request size but "unsplit" (which is "contiguous" measured
     differently); the scatters come from ``churn_slots`` with the prefill side's seed
-    ``seed`` and the decode side's ``seed + 1``, the same for both policies."""
+    ``seed`` and the decode side's ``seed + 1``, the same for both policies.
+
+    "stack pN" and "extent pN" churn both sides as a decode server's pool (the bench's
+    first measure, kept as it was). Where the allocator has the extent policy, "pd pN"
+    churns each side as its role does: the source as a prefill server's pool
+    (``prefill_server``), the destination as a decode server's reserve (extent pN's), and
+    "landed pN" moves the same slots through the receiver's landing area."""
     contiguous = tuple(range(tokens))
     shuffled = list(contiguous)
     random.Random(seed).shuffle(shuffled)
@@ -292,6 +338,11 @@ def patterns(tokens: int, page_sizes: Sequence[int], seed: int, churn: Churn,
             src = churn_slots(tokens, ps, seed=seed, **kw)
             dst = churn_slots(tokens, ps, seed=seed + 1, reserve=True, **kw)
             out.append(Pattern(f"{policy} p{ps}", tuple(src), tuple(dst)))
+            if policy == "extent":
+                src = churn_slots(tokens, ps, seed=seed, extent=True, churn=prefill_server(churn),
+                                  allocator_cls=allocator_cls)
+                out.append(Pattern(f"pd p{ps}", tuple(src), tuple(dst)))
+                out.append(Pattern(f"landed p{ps}", tuple(src), tuple(dst), landed=True))
     return out
 
 
@@ -329,13 +380,20 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> memoryview | None:
 
 
 def _receiver(engine_name: str, conn: Any) -> None:
-    """Serves ("setup", shape, slots) -> (session, metadata, layout), ("raw",) -> the bytes
-    received on one raw socket connection (see below), ("close",) -> None; ends on None or when the parent is gone. Ends
-    with os._exit: a process that created a UCX backend must not run interpreter exit."""
+    """Serves ("setup", shape, slots, landing_positions) -> (session, metadata, layout,
+    landing area's spec or None), ("raw",) -> the bytes received on one raw socket
+    connection (see below), ("clear", slots), ("check", slots) -> the buffers not holding
+    the sender's values there, ("land", slots) -> the offset of a blanked landing piece for
+    a request with those slots, ("unpack",) -> None once that piece is copied into them,
+    ("close",) -> None; ends on None or when the parent is gone. Ends with os._exit: a
+    process that created a UCX backend must not run interpreter exit."""
     from pdserve.disagg.engines import make_transfer_engine
 
     engine = None
     bufs: dict[str, torch.Tensor] = {}
+    # The case's landing area, as a decode rank owns one, and the piece ``land`` took.
+    area: LandingArea | None = None
+    landing: tuple[int, tuple[LandingRegion, ...], list[int]] | None = None  # (offset, regions, slots)
     server = socket.create_server((HOST, 0))
     sink = bytearray()
     try:
@@ -348,12 +406,18 @@ def _receiver(engine_name: str, conn: Any) -> None:
             if cmd is None:
                 break
             if cmd[0] == "setup":
-                _, key, slots = cmd
+                _, key, slots, landing_positions = cmd
                 engine = make_transfer_engine(engine_name, host=HOST)
                 bufs = SHAPES[key].buffers(slots, blank=True)
                 for t in bufs.values():
                     engine.register(t.data_ptr(), t.numel() * t.element_size())
-                conn.send((engine.session_id, engine.metadata(), layout_of(bufs)))
+                layout = layout_of(bufs)
+                area, landing = None, None
+                if landing_positions:  # room for one request of that many positions (all buffers)
+                    _, size = landing_regions(layout, layout.names, landing_positions)
+                    area = LandingArea(max(size, LANDING_ALIGN))
+                    engine.register(area.spec.ptr, area.capacity)
+                conn.send((engine.session_id, engine.metadata(), layout, area.spec if area is not None else None))
             elif cmd[0] == "raw":
                 # One connection per case; on it, messages of an 8-byte length and that many
                 # bytes, each acknowledged with one byte, until the sender closes it.
@@ -380,10 +444,32 @@ def _receiver(engine_name: str, conn: Any) -> None:
             elif cmd[0] == "check":
                 index = torch.tensor(cmd[1], dtype=torch.int64)
                 conn.send(sorted(n for n, t in bufs.items() if not bool((t[index] == FILL[n]).all())))
+            elif cmd[0] == "land":
+                # As decode admits a request with scattered slots: a piece of its landing area
+                # (blanked, so that a write that did not come leaves no earlier pattern's rows).
+                if area is None:
+                    raise RuntimeError("land: this case's setup asked for no landing area")
+                if landing is not None:
+                    area.give(landing[0])
+                layout = layout_of(bufs)
+                regions, size = landing_regions(layout, layout.names, len(cmd[1]))
+                offset = area.take(size)
+                if offset is None:
+                    raise RuntimeError(f"land: {len(cmd[1])} positions ({size} bytes) do not fit the "
+                                       f"{area.capacity}-byte landing area")
+                area.buffer[offset: offset + size] = 0
+                landing = (offset, regions, list(cmd[1]))
+                conn.send(offset)
+            elif cmd[0] == "unpack":
+                # As decode commits a landed request: its rows into its slots.
+                if area is None or landing is None:
+                    raise RuntimeError("unpack before land")
+                area.unpack(landing[0], landing[1], landing[2], bufs)
+                conn.send(None)
             elif cmd[0] == "close":
                 if engine is not None:
                     engine.close()
-                engine, bufs = None, {}
+                engine, bufs, area, landing = None, {}, None, None
                 conn.send(None)
     except BaseException:
         traceback.print_exc()
@@ -415,8 +501,12 @@ class Receiver:
         except EOFError:
             raise RuntimeError(f"the receiver process died (exit status {self._proc.exitcode})") from None
 
-    def setup(self, shape: str, slots: int) -> tuple[str, str, KVLayout]:
-        return self._ask(("setup", shape, slots))
+    def setup(self, shape: str, slots: int, landing_positions: int = 0
+              ) -> tuple[str, str, KVLayout, BufferSpec | None]:
+        """A fresh engine and ``slots`` blank slots of every buffer of ``shape``, all
+        registered; with ``landing_positions``, also a landing area holding a request of
+        that many positions. Its session, metadata, layout and landing area (None without)."""
+        return self._ask(("setup", shape, slots, landing_positions))
 
     def raw(self) -> socket.socket:
         """A connection to the receiver's raw socket (send ``raw_message``s on it; close it
@@ -438,6 +528,15 @@ class Receiver:
         if wrong:
             raise RuntimeError(f"the written slots do not hold the sender's values in {', '.join(wrong[:4])}"
                                + (f" and {len(wrong) - 4} more buffers" if len(wrong) > 4 else ""))
+
+    def land(self, slots: Sequence[int]) -> int:
+        """Take (and blank) a landing piece for a request with destination ``slots``, as
+        decode's admission does; its offset in the landing area."""
+        return self._ask(("land", list(slots)))
+
+    def unpack(self) -> None:
+        """Copy the landed piece into its slots, as decode's commit does."""
+        self._ask(("unpack",))
 
     def close_case(self) -> None:
         self._ask(("close",))
@@ -526,7 +625,8 @@ def measure_case(engine_name: str, receiver: Receiver, key: str, tokens: int, pa
     slots = max(pool_slots(tokens, page_sizes, churn), tokens)
     bufs = shape.buffers(slots)
     raw = _raw_rate(receiver, bufs, tokens, repeats, pattern_seconds)
-    session, metadata, dst_layout = receiver.setup(key, slots)
+    # A landing area where a pattern lands (sized for this request, as decode's holds several).
+    session, metadata, dst_layout, landing = receiver.setup(key, slots, tokens if any(p.landed for p in pats) else 0)
     engine = make_transfer_engine(engine_name, host=HOST)
     try:
         for t in bufs.values():
@@ -536,14 +636,25 @@ def measure_case(engine_name: str, receiver: Receiver, key: str, tokens: int, pa
         split_at = getattr(engine, "max_entry_bytes", "absent")
 
         def run(pat: Pattern, unsplit: bool = False) -> Rate:
-            batch = plan.writes(pat.src, pat.dst)
+            if pat.landed:  # as prefill writes a landing piece decode gave it (prefill_manager.room_plans)
+                assert landing is not None
+                base = landing.ptr + receiver.land(pat.dst)
+                regions, _ = landing_regions(dst_layout, shape.names, len(pat.dst))
+                batch = plan.landed(base, regions, len(pat.dst)).writes(pat.src, range(len(pat.dst)))
+            else:
+                batch = plan.writes(pat.src, pat.dst)
             timed = batch
             if len(batch.src) > max_entries:
                 timed = WriteBatch(batch.src[:max_entries], batch.dst[:max_entries], batch.lengths[:max_entries])
+
+            def write() -> None:
+                engine.write(session, timed)
+                if pat.landed:  # what decode does before the request can run: into its slots
+                    receiver.unpack()
             if split_at != "absent":
                 engine.max_entry_bytes = None if unsplit else split_at  # type: ignore[attr-defined]
             try:
-                t = best_time(lambda: engine.write(session, timed), repeats, pattern_seconds)
+                t = best_time(write, repeats, pattern_seconds)
             finally:
                 if split_at != "absent":
                     engine.max_entry_bytes = split_at  # type: ignore[attr-defined]
@@ -578,14 +689,25 @@ def measure_case(engine_name: str, receiver: Receiver, key: str, tokens: int, pa
 ENGINE_TITLES = {"mooncake": "Mooncake", "nixl": "NIXL"}
 
 
+SCATTERS = ("stack", "extent", "pd", "landed")  # a page size's columns, in order
+
+
 def scatter_keys(page_sizes: Sequence[int]) -> list[str]:
-    return [f"{policy} p{ps}" for ps in page_sizes for policy in ("stack", "extent")]
+    return [f"{kind} p{ps}" for ps in page_sizes for kind in SCATTERS]
+
+
+def scatter_title(key: str) -> str:
+    """A scatter's column: a landed one's time includes the receiver's unpack, and its
+    entries are the source's runs."""
+    if key.startswith("landed "):
+        return f"{key} GB/s, write + unpack (/ contiguous; entries; source tokens/run)"
+    return f"{key} GB/s (/ contiguous; entries; tokens/run)"
 
 
 def table_header(page_sizes: Sequence[int]) -> list[str]:
     cols = ["engine", "model", "tokens", "MiB", "raw TCP GB/s", "contiguous GB/s (entries)", "contiguous / raw",
             "unsplit GB/s (entries)", "full shuffle p1 GB/s (/ contiguous; entries)"]
-    cols += [f"{k} GB/s (/ contiguous; entries; tokens/run)" for k in scatter_keys(page_sizes)]
+    cols += [scatter_title(k) for k in scatter_keys(page_sizes)]
     return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
@@ -756,7 +878,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=_positive("--repeats"), default=3)
     ap.add_argument("--max-bytes", type=_positive("--max-bytes", float), default=2.5e9,
                     help="skip requests with more KV bytes than this (the two pools hold about "
-                         "2 x --pool-factor times the largest request)")
+                         "2 x --pool-factor + 1 times the largest request)")
     ap.add_argument("--max-entries", type=_positive("--max-entries"), default=32768,
                     help="time at most this many entries of a batch (its first ones; marked *)")
     ap.add_argument("--pattern-seconds", type=_positive("--pattern-seconds", float), default=2.0,
@@ -796,8 +918,13 @@ def main(argv: list[str] | None = None) -> None:
               f"prompts in chunks of {churn.chunk}); stack: PageAllocator.alloc_ids(n) everywhere; extent: "
               + ("alloc_ids(n, contiguous=True) for prompt chunks and reserves"
                  if extent else "n/a (this PageAllocator has no contiguous= policy)")
+              + ("; pd: the source churned as a prefill server's pool (no decode steps), the destination "
+                 "as extent's (a decode server's reserve); landed: pd's slots written into the receiver's "
+                 "landing area, timed with the receiver's unpack into the slots (a pipe command)"
+                 if extent else "")
               + f". entries: the plan's write entries (* = the first {args.max_entries} timed); "
-              "tokens/run: tokens per run of consecutive slots on both sides. unsplit: contiguous with the "
+              "tokens/run: tokens per run of consecutive slots on both sides (landed: on the source side). "
+              "unsplit: contiguous with the "
               "engine's max_entry_bytes = None (n/a: the engine does not split entries).\n", flush=True)
         for line in table_header(args.page_sizes):
             print(line)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench import kv_transfer as kt
+from pdserve.disagg.landing import landing_regions, slot_runs, worth_landing
 from pdserve.disagg.layout import BufferSpec, KVLayout, plan_transfer
 from pdserve.scheduler.kv_manager import pages_for
 from pdserve.scheduler.memory import PageAllocator
@@ -101,7 +102,50 @@ def test_extent_is_refused_by_an_allocator_without_the_policy():
     assert [p.key for p in kt.patterns(40, [1, 16], 0, kt.Churn(steps=5), Old)] == \
         ["contiguous", "shuffle", "stack p1", "stack p16"]
     assert [p.key for p in kt.patterns(40, [1], 0, kt.Churn(steps=5), RecordingAllocator)] == \
-        ["contiguous", "shuffle", "stack p1", "extent p1"]
+        ["contiguous", "shuffle", "stack p1", "extent p1", "pd p1", "landed p1"]
+
+
+@pytest.mark.fast
+def test_a_prefill_servers_pool_is_never_grown_a_page_at_a_time():
+    """Churn.decodes=False: background requests leave once their prompt is in, so every
+    allocation is a prompt chunk asking for runs (no decode step's single pages)."""
+    churn = kt.Churn(steps=40, chunk=64, decodes=False)
+    kt.churn_slots(300, 1, seed=2, extent=True, churn=churn, allocator_cls=RecordingAllocator)
+    calls = RecordingAllocator.last.calls
+    assert calls[-5:] == [(64, True)] * 4 + [(44, True)]  # the measured request, in prompt chunks
+    assert {c for _, c in calls} == {True} and len(calls) > 40  # the background's prompts, runs only
+    _check_slots(kt.churn_slots(300, 16, seed=2, extent=True, churn=churn), 300, 16, churn)
+    assert kt.prefill_server(kt.Churn(steps=7)) == kt.Churn(steps=7, decodes=False)
+    with pytest.raises(ValueError, match="Churn.decodes must be True or False"):
+        kt.Churn(decodes="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_prefill_servers_pool_gives_long_runs_where_decode_churn_does_not(seed):
+    """The role-true source: the same pool, prompts and allocator, churned without decode
+    steps, places a 2048-token page-size-1 request in far fewer runs, so few that decode
+    would not land it (the landing threshold), where the decode churn's would."""
+    churn = kt.Churn()
+    prefill = kt.churn_slots(2048, 1, seed=seed, extent=True, churn=kt.prefill_server(churn))
+    decode = kt.churn_slots(2048, 1, seed=seed, extent=True, churn=churn)
+    assert slot_runs(prefill) * 8 < slot_runs(decode)
+    assert worth_landing(decode) and not worth_landing(prefill)
+
+
+@pytest.mark.fast
+def test_pd_and_landed_patterns_take_the_prefill_servers_source_and_extents_destination():
+    churn = kt.Churn(steps=30)
+    pats = {p.key: p for p in kt.patterns(300, [1, 16], 4, churn)}
+    assert list(pats) == ["contiguous", "shuffle"] + kt.scatter_keys([1, 16])
+    for ps in (1, 16):
+        pd, landed, extent = pats[f"pd p{ps}"], pats[f"landed p{ps}"], pats[f"extent p{ps}"]
+        assert pd.dst == extent.dst  # decode's reserve, as extent pN measures it
+        assert list(pd.src) == kt.churn_slots(300, ps, seed=4, extent=True, churn=kt.prefill_server(churn))
+        assert extent.src == tuple(kt.churn_slots(300, ps, seed=4, extent=True, churn=churn))  # unchanged
+        assert (landed.src, landed.dst, landed.landed, pd.landed) == (pd.src, pd.dst, True, False)
+        # landed: one entry per source run (the piece is consecutive); pd: runs on both sides
+        assert landed.tokens_per_run == 300 / slot_runs(pd.src) >= pd.tokens_per_run == kt.run_length(pd.src, pd.dst)
 
 
 @pytest.mark.fast
@@ -137,6 +181,10 @@ def _fake_result(with_extent: bool, unsplit: bool) -> kt.CaseResult:
     if with_extent:
         rates["extent p1"] = kt.Rate(0.3, 20000, 20000, 13.1)
         rates["extent p16"] = kt.Rate(1.2, 900, 900, 582.5)
+        rates["pd p1"] = kt.Rate(0.6, 5000, 5000, 40.0)
+        rates["landed p1"] = kt.Rate(0.9, 400, 400, 1310.7)
+        rates["pd p16"] = kt.Rate(1.35, 300, 300, 1747.6)
+        rates["landed p16"] = kt.Rate(1.2, 100, 100, 5242.9)
     return kt.CaseResult("mooncake", "demo", 65536, 256 * 2**20, 3.0, rates)
 
 
@@ -156,9 +204,16 @@ def test_table_rows_line_up_with_the_header_and_mark_what_was_not_measured():
     assert got["full shuffle p1 GB/s (/ contiguous; entries)"] == "0.015 (0.01x; 524288*)"
     assert got["stack p1 GB/s (/ contiguous; entries; tokens/run)"] == "0.030 (0.02x; 100000*; 1.6)"
     assert got["extent p16 GB/s (/ contiguous; entries; tokens/run)"] == "1.200 (0.80x; 900; 582.5)"
+    assert cols[9:17] == [kt.scatter_title(k) for k in ("stack p1", "extent p1", "pd p1", "landed p1",
+                                                       "stack p16", "extent p16", "pd p16", "landed p16")]
+    assert got["pd p1 GB/s (/ contiguous; entries; tokens/run)"] == "0.600 (0.40x; 5000; 40.0)"
+    assert got["landed p16 GB/s, write + unpack (/ contiguous; entries; source tokens/run)"] == \
+        "1.200 (0.80x; 100; 5242.9)"
     old = dict(zip(cols, [c.strip() for c in kt.format_row(_fake_result(False, False), [1, 16]).strip("|").split("|")]))
     assert old["unsplit GB/s (entries)"] == "n/a" and old["contiguous GB/s (entries)"] == "1.50 (8)"
     assert old["extent p1 GB/s (/ contiguous; entries; tokens/run)"] == "n/a"
+    assert old["pd p16 GB/s (/ contiguous; entries; tokens/run)"] == "n/a"
+    assert old["landed p1 GB/s, write + unpack (/ contiguous; entries; source tokens/run)"] == "n/a"
     small = kt.CaseResult("nixl", "wide", 2, 2 * kt.SHAPES["wide"].token_bytes, 1.0, _fake_result(False, False).rates)
     assert kt.format_row(small, [1, 16]).startswith("| NIXL | wide (16 layers, 8x128 KV) | 2 | 0.25 | 1.00 |")
 
@@ -246,7 +301,8 @@ def test_a_tiny_run_on_both_engines_prints_every_row_with_positive_numbers():
             if col in ("engine", "model"):
                 continue
             if cell == "n/a":  # only what this installation cannot measure
-                assert col.startswith("unsplit") or (col.startswith("extent") and not extent), (col, row)
+                assert col.startswith("unsplit") or (col.split()[0] in ("extent", "pd", "landed") and not extent), \
+                    (col, row)
                 continue
             m = NUMBER.match(cell)
             assert m and float(m.group()) > 0, (col, cell, row)
@@ -269,7 +325,8 @@ def test_the_receiver_check_sees_written_and_unwritten_slots(engine):
     receiver = kt.Receiver(engine)
     sender = None
     try:
-        session, metadata, layout = receiver.setup("demo", 64)
+        session, metadata, layout, landing = receiver.setup("demo", 64)
+        assert landing is None  # none asked for
         sender = make_transfer_engine(engine, host=kt.HOST)
         bufs = kt.SHAPES["demo"].buffers(64)
         for t in bufs.values():
@@ -287,4 +344,77 @@ def test_the_receiver_check_sees_written_and_unwritten_slots(engine):
         if sender is not None:
             sender.close()
         receiver.close_case()
+        receiver.stop()
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_a_landed_write_reaches_the_slots_only_through_the_unpack(engine):
+    """The landed pattern's path: the receiver's registered landing area, the sender's
+    ``plan.landed`` writes (one entry per source run and buffer), the receiver's unpack
+    into scattered slots; the check fails when the unpack or the write is left out."""
+    pytest.importorskip({"mooncake": "mooncake.engine", "nixl": "nixl_cu12"}[engine])
+    from pdserve.disagg.engines import make_transfer_engine
+
+    src, dst = [3, 4, 5, 6, 20, 21], [50, 7, 30, 31, 9, 12]
+    receiver = kt.Receiver(engine)
+    sender = None
+    try:
+        session, metadata, layout, landing = receiver.setup("demo", 64, landing_positions=len(dst))
+        assert landing is not None and landing.name == "landing"
+        sender = make_transfer_engine(engine, host=kt.HOST)
+        shape = kt.SHAPES["demo"]
+        bufs = shape.buffers(64)
+        for t in bufs.values():
+            sender.register(t.data_ptr(), t.numel() * t.element_size())
+        sender.add_peer(session, metadata)
+        plan = plan_transfer(kt.layout_of(bufs), layout, list(bufs))
+        regions, size = landing_regions(layout, shape.names, len(dst))
+        assert size <= landing.num_slots * landing.slot_bytes
+
+        def landed_batch():
+            base = landing.ptr + receiver.land(dst)  # a fresh, blanked piece
+            return plan.landed(base, regions, len(dst)).writes(src, range(len(dst)))
+
+        batch = landed_batch()
+        assert len(batch.src) == len(shape.names) * slot_runs(src)  # 2 runs per buffer, not joint_runs' 5
+        sender.write(session, batch)
+        with pytest.raises(RuntimeError, match="do not hold the sender's values"):
+            receiver.check(dst)  # written, not unpacked: the slots are still blank
+        receiver.unpack()
+        receiver.check(dst)
+        receiver.clear(dst)
+        landed_batch()  # the piece blanked again, nothing written into it
+        receiver.unpack()
+        with pytest.raises(RuntimeError, match="do not hold the sender's values"):
+            receiver.check(dst)  # an unpack of a piece no write reached
+    finally:
+        if sender is not None:
+            sender.close()
+        receiver.close_case()
+        receiver.stop()
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_the_landed_pattern_is_measured_and_checked(engine, monkeypatch):
+    """A tiny case of measure_case with a landed pattern: it is timed with its unpack and
+    passes the byte check; with the unpack skipped the same case fails that check."""
+    pytest.importorskip({"mooncake": "mooncake.engine", "nixl": "nixl_cu12"}[engine])
+    churn = kt.Churn(steps=5)
+    tokens = 64
+    contiguous = tuple(range(tokens))
+    src = tuple(range(100, 100 + tokens))
+    dst = tuple(range(tokens + 200, 200, -1))[:tokens]  # descending: one slot per run
+    pats = [kt.Pattern("contiguous", contiguous, contiguous), kt.Pattern("landed p1", src, dst, landed=True)]
+    receiver = kt.Receiver(engine)
+    try:
+        res = kt.measure_case(engine, receiver, "demo", tokens, pats, [1], churn, 1, 10**6, 0.2)
+        landed = res.rates["landed p1"]
+        assert landed is not None and landed.gbps > 0
+        names = len(kt.SHAPES["demo"].names)
+        assert landed.entries == landed.timed_entries == names  # one source run per buffer
+        assert landed.tokens_per_run == tokens
+        monkeypatch.setattr(receiver, "unpack", lambda: None)
+        with pytest.raises(RuntimeError, match="do not hold the sender's values"):
+            kt.measure_case(engine, receiver, "demo", tokens, pats, [1], churn, 1, 10**6, 0.2)
+    finally:
         receiver.stop()
