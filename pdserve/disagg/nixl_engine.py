@@ -32,6 +32,13 @@ Completion and failure. ``write`` posts one transfer per ``WriteBatch`` and wait
 it (a bounded time, ``WRITE_TIMEOUT_S``); any NIXL error, an ERR state or the timeout is
 a ``TransferError`` naming the peer, which fails the room as Mooncake's errors do.
 
+The progress thread. A write into an agent's memory over UCX's TCP transport completes
+only while that agent's worker is progressed, so each agent runs NIXL's progress thread.
+NIXL's Python API starts it with no pause between its polls (``pthrDelay = 0``): a
+busy loop of a whole core per agent, idle or not. pdserve's agents pause
+``PROGRESS_DELAY_US`` between polls (``agent_config``), which takes the idle thread to
+about 2% of a core; the throughput this costs or gains is in docs/benchmarks.md.
+
 Host memory only: pdserve registers DRAM, so on a GPU the KV is staged through host
 copies (``reaches_device_memory`` is False; --disaggregation-kv-staging direct is
 refused with the reason).
@@ -65,6 +72,40 @@ UCX_VARIABLES = ("UCX_NET_DEVICES", "UCX_TLS", "UCX_MODULES")
 # of a whole long prompt's KV over TCP takes well under this; a peer that died is
 # normally reported by UCX at once.
 WRITE_TIMEOUT_S = 60.0
+# The progress thread's pause between polls, in microseconds (NIXL's Python API sets 0: a
+# busy loop). See the module docstring.
+PROGRESS_DELAY_US = 100
+_AGENT_CONFIG_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def agent_config(nixl: Any, progress_delay_us: int) -> Iterator[None]:
+    """While it lasts, an agent built by ``nixl.nixl_agent`` pauses ``progress_delay_us``
+    between its progress thread's polls. NIXL's Python API hard-codes 0 into the agent
+    configuration it builds; the C++ configuration it builds from is swapped for one
+    that keeps this value instead (nothing else changes). When the API is not built
+    that way (another NIXL release), a warning says the thread stays a busy loop."""
+    import sys
+
+    api = sys.modules.get(getattr(nixl.nixl_agent, "__module__", ""))
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    if base is None:
+        logger.warning("NIXL's Python API has no nixlBind.nixlAgentConfig: its progress thread keeps polling "
+                       "without a pause (a core per agent)")
+        yield
+        return
+
+    class DelayedConfig(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, name: str, value: Any) -> None:
+            base.__setattr__(self, name, progress_delay_us if name == "pthrDelay" else value)
+
+    with _AGENT_CONFIG_LOCK:
+        bind.nixlAgentConfig = DelayedConfig
+        try:
+            yield
+        finally:
+            bind.nixlAgentConfig = base
 
 
 def load_nixl() -> Any:
@@ -149,6 +190,7 @@ class NixlTransfer:
     interface. ``log_level``: the server's --log-level (NIXL's own INFO lines only at debug)."""
 
     WRITE_TIMEOUT_S = WRITE_TIMEOUT_S
+    PROGRESS_DELAY_US = PROGRESS_DELAY_US
     # Entries are not cut (None): UCX's TCP transport moves one large entry at a loopback
     # socket's speed or above, unlike Mooncake's (`python -m pdserve.bench.kv_transfer`).
     max_entry_bytes: int | None = None
@@ -177,7 +219,8 @@ class NixlTransfer:
         config = nixl.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[],
                                         sync_mode=sync)
         try:
-            agent = nixl.nixl_agent(self.session_id, config)
+            with agent_config(nixl, int(os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US", self.PROGRESS_DELAY_US))):
+                agent = nixl.nixl_agent(self.session_id, config)
             with _environment(env):
                 agent.create_backend("UCX", {})
         except Exception as exc:  # NIXL raises its own exception types (nixlBackendError, ...)
