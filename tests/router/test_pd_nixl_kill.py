@@ -5,9 +5,10 @@ with requests in flight).
 One prefill server and two decode servers on the demo model, every one with
 ``--disaggregation-transfer-backend nixl`` (BACKEND), behind the real router. A few client
 threads send greedy /v1/completions (ignore_eos, some streamed; one prompt long enough that
-its KV goes over in many chunked writes). Once decode 2 holds a request whose KV is still
-being sent by the prefill server (seen in the servers' /get_server_info, never waited for
-with a sleep), decode 2 and its children are SIGKILLed. Then:
+its KV goes over in dozens of chunked writes). Once decode 2 holds the long request while
+the prefill server is still early in computing and sending its KV (seen in the servers'
+/get_server_info, never waited for with a sleep), decode 2 and its children are
+SIGKILLed. Then:
 
 - every request the load sent got exactly one final outcome within a bounded time: a
   complete 200 answer equal to the undisturbed one (computed through the router before
@@ -41,19 +42,24 @@ from tests.waiting import wait_until
 # The transfer engine of every server. "mooncake" runs the same test on the default engine
 # (a check that nothing below is NIXL-specific by accident).
 BACKEND = "nixl"
-SERVER_FLAGS = ("--max-total-tokens", "16384", "--log-level", "warning",
+# No prefix cache: every request's whole prompt is computed again by the prefill server
+# and its whole KV crosses the transfer engine (a cached long prompt would be sent in one
+# step, or not at all to a decode server that has it: no room to catch in flight).
+SERVER_FLAGS = ("--max-total-tokens", "16384", "--log-level", "warning", "--disable-radix-cache",
                 "--disaggregation-transfer-backend", BACKEND)
 # Small prefill chunks: the long prompt's KV goes over in dozens of writes, one per
-# prefill step, so its room stays in flight long enough to be seen and killed mid-transfer.
+# prefill step, so its room stays in flight long enough (about a second) to be caught.
 PREFILL_CHUNK = "32"
 MAX_TOKENS = 24
-LONG_PROMPT = "Repeat: " + " ".join(f"w{i}" for i in range(240))  # ~1200 tokens (one per character)
-PROMPTS = ["Repeat: abc123xyz", "7+5=", LONG_PROMPT, "The quick brown fox", "Once upon a time"]
+LONG_PROMPT = "Repeat: " + " ".join(f"w{i}" for i in range(300))  # ~1400 tokens (one per character)
+# Each under one KV page with its answer (PD pages hold 64 tokens).
+SHORT_PROMPTS = ["Repeat: abc123xyz", "7+5=", "The quick brown fox", "Once upon a time"]
+PROMPTS = [LONG_PROMPT, *SHORT_PROMPTS]
 KINDS = ("completion", "stream")
-CONCURRENCY = 4
+CONCURRENCY = 4  # thread 0 sends the long prompt (one at a time), the others the short ones
 CLIENT_TIMEOUT_S = 30.0  # a request not over by then has hung (each takes well under a second)
-AFTER_OUT_OF_ROTATION = 12  # requests the load completes once decode 2 is out of rotation
-PROBES = 4                  # then sent one at a time: each is decode 1's
+AFTER_OUT_OF_ROTATION = 8  # requests the load completes once decode 2 is out of rotation
+PROBES = 4                 # then short requests sent one at a time: each is decode 1's
 # The prefill server's room failure reasons that a dead decode server can cause (see the test).
 DEAD_PEER_REASONS = ("peer_dead", "transfer_error", "aborted")
 
@@ -124,7 +130,7 @@ class Load:
             self.threads.append(t)
 
     def _run(self, i: int) -> None:
-        work = [(p, k) for p in PROMPTS for k in KINDS]
+        work = [(p, k) for p in ([LONG_PROMPT] if i == 0 else SHORT_PROMPTS) for k in KINDS]
         n = i * 3  # the threads start at different points of the cycle
         with httpx.Client(base_url=self.url, timeout=CLIENT_TIMEOUT_S) as client:
             while not self.stop.is_set():
@@ -183,6 +189,12 @@ def disagg(server: ServerProcess) -> dict[str, Any]:
     return server.state()["disaggregation"]
 
 
+def used_pages(state: dict[str, Any]) -> int:
+    """KV pages held by requests (not free, not merely cached)."""
+    mem = state["memory"]
+    return mem["kv_pages_total"] - mem["kv_pages_free"] - mem["kv_pages_evictable"]
+
+
 def test_decode_killed_under_load(deployment):
     servers, router = deployment
     prefill, d1, d2 = servers["prefill"], servers["decode1"], servers["decode2"]
@@ -192,29 +204,36 @@ def test_decode_killed_under_load(deployment):
     # same tokens whichever decode server answers, streamed or not).
     with httpx.Client(base_url=router.url, timeout=CLIENT_TIMEOUT_S) as c:
         expected = {p: send(c, p, "completion")[1] for p in PROMPTS}
+        long_tokens = c.post("/tokenize", json={"prompt": LONG_PROMPT}).json()["count"]
     assert all(expected.values()), expected
     assert disagg(prefill)["failures"] == {}, disagg(prefill)
+    page_size = prefill.info()["server_args"]["page_size"]
+    long_pages = -(-long_tokens // page_size)
+    # The most the short requests hold: a page each on the prefill server (prompt), two on
+    # a decode server (prompt and answer, and a page reserved ahead). The long one's pages
+    # stand out.
+    short_prefill_pages, short_decode_pages = CONCURRENCY - 1, 2 * (CONCURRENCY - 1)
+    assert long_pages // 2 > max(short_prefill_pages, short_decode_pages), (long_pages, page_size)
 
-    def room_in_flight_to_decode2() -> bool:
-        """Decode 2 waits for the KV of a request of its own, and the prefill server has a
-        room that decode asked for (waiting to be computed, or being sent) while decode 1
-        asked for none: that room is decode 2's. Decode 1 is read first: a room it asks
-        for later shows in the prefill server's count but also... only after this read."""
-        if disagg(d1)["transferring"]:
-            return False
-        rooms = disagg(prefill)["rooms"]
-        if rooms["waiting_for_input"] + rooms["transferring"] == 0:
+    def long_room_early_in_flight_to_decode2() -> bool:
+        """The prefill server is computing (and sending) the long prompt and has at most
+        half of it done: its room has half its chunked writes to go (hundreds of ms). Then
+        (read after) decode 2 holds pages reserved for a prompt that long: the same
+        request (the one long one in flight: the next is sent once this one has been
+        answered), so its room is decode 2's."""
+        held = used_pages(prefill.state())
+        if not short_prefill_pages < held <= long_pages // 2:
             return False
         st = d2.state()
-        return st["disaggregation"]["transferring"] > 0 and st["num_running_reqs"] + st["num_waiting_reqs"] > 0
+        return st["disaggregation"]["transferring"] > 0 and used_pages(st) > long_pages // 2
 
     load = Load(router.url)
     try:
         load.start()
         load.wait_for(CONCURRENCY, "before the kill")
-        wait_until(room_in_flight_to_decode2, 60.0, step=0.005,
-                   what=lambda: f"a room in flight to decode 2 (prefill: {disagg(prefill)['rooms']}, "
-                                f"decode 2: {disagg(d2)})")
+        wait_until(long_room_early_in_flight_to_decode2, 60.0, step=0.005,
+                   what=lambda: f"the long prompt's room early in flight to decode 2 (prefill: "
+                                f"{prefill.state()['memory']}, decode 2: {d2.state()['memory']})")
         killed = time.monotonic()
         d2.kill_all()
 
@@ -235,7 +254,8 @@ def test_decode_killed_under_load(deployment):
     assert not bad, [(o.prompt[:20], o.kind, o.bad) for o in bad[:5]]
     slow = [o for o in outcomes if o.ended - o.started > CLIENT_TIMEOUT_S]
     assert not slow, slow[:3]
-    wrong = [(o.prompt[:20], o.kind, o.text, expected[o.prompt]) for o in outcomes if o.ok and o.text != expected[o.prompt]]
+    wrong = [(o.prompt[:20], o.kind, o.text, expected[o.prompt]) for o in outcomes
+             if o.ok and o.text != expected[o.prompt]]
     assert not wrong, wrong[:3]
     # An error ends what came of the undisturbed answer (no wrong token before it); only
     # requests under way at the kill may end so.
@@ -255,16 +275,18 @@ def test_decode_killed_under_load(deployment):
     before = d1.finished()
     with httpx.Client(base_url=router.url, timeout=CLIENT_TIMEOUT_S) as c:
         for i in range(PROBES):
-            prompt = PROMPTS[i % len(PROMPTS)]
+            prompt = SHORT_PROMPTS[i % len(SHORT_PROMPTS)]
             ok, text, detail = send(c, prompt, KINDS[i % len(KINDS)])
             assert ok and text == expected[prompt], (ok, text, detail)
     assert d1.finished() - before == PROBES
 
-    # The prefill server failed the room that was in flight to decode 2. Which reason it
-    # records depends on what reached it first: its next KV write to the dead peer fails
-    # (transfer_error), decode 2's heartbeats stop (peer_dead, after 3 missed intervals),
-    # or the router, whose decode leg broke at once, aborts the prefill leg
-    # (/abort_request: aborted). No room fails for any other reason (a deadline).
+    # The prefill server failed the long prompt's room (in flight to decode 2 at the kill,
+    # with hundreds of ms of writes to go), and maybe others of decode 2's. The reason it
+    # records is whatever reached it first: its next KV write to the dead peer failed
+    # (transfer_error), decode 2's heartbeats stopped (peer_dead, after 3 missed
+    # intervals), or the router, whose decode leg broke at once, aborted the prefill leg
+    # (/abort_request: aborted). Behind the router the abort usually wins, so peer_dead or
+    # transfer_error alone is not guaranteed. No room failed for another reason (a deadline).
     failures = disagg(prefill)["failures"]
     assert set(failures) <= set(DEAD_PEER_REASONS), failures
     assert sum(failures.values()) >= 1, failures
