@@ -4,8 +4,9 @@ with requests in flight).
 
 One prefill server and two decode servers on the demo model, every one with
 ``--disaggregation-transfer-backend nixl`` (BACKEND), behind the real router. A few client
-threads send greedy /v1/completions (ignore_eos, some streamed; one prompt long enough that
-its KV goes over in dozens of chunked writes). Once decode 2 holds the long request while
+threads send greedy /v1/completions (ignore_eos, half of them streamed): one thread a
+prompt long enough that its KV goes over in dozens of chunked writes, the others short
+ones (no prefix cache anywhere). Once decode 2 holds the long request while
 the prefill server is still early in computing and sending its KV (seen in the servers'
 /get_server_info, never waited for with a sleep), decode 2 and its children are
 SIGKILLed. Then:
@@ -57,7 +58,7 @@ SHORT_PROMPTS = ["Repeat: abc123xyz", "7+5=", "The quick brown fox", "Once upon 
 PROMPTS = [LONG_PROMPT, *SHORT_PROMPTS]
 KINDS = ("completion", "stream")
 CONCURRENCY = 4  # thread 0 sends the long prompt (one at a time), the others the short ones
-CLIENT_TIMEOUT_S = 30.0  # a request not over by then has hung (each takes well under a second)
+CLIENT_TIMEOUT_S = 30.0  # a request not over by then has hung (the long one takes about 2 s)
 AFTER_OUT_OF_ROTATION = 8  # requests the load completes once decode 2 is out of rotation
 PROBES = 4                 # then short requests sent one at a time: each is decode 1's
 # The prefill server's room failure reasons that a dead decode server can cause (see the test).
@@ -199,6 +200,7 @@ def test_decode_killed_under_load(deployment):
     servers, router = deployment
     prefill, d1, d2 = servers["prefill"], servers["decode1"], servers["decode2"]
     t_start = time.monotonic()
+    assert {s.info()["server_args"]["disaggregation_transfer_backend"] for s in servers.values()} == {BACKEND}
 
     # The undisturbed answers, through the router before the kill (greedy, ignore_eos: the
     # same tokens whichever decode server answers, streamed or not).
