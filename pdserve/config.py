@@ -73,11 +73,11 @@ class ServerArgs:
     # Where the transfer engine reads and writes KV: auto (the device buffers when the
     # installed Mooncake build can register them, else host copies), direct, host.
     disaggregation_kv_staging: str = "auto"
-    # A decode rank's landing area (pdserve/disagg/landing.py), in MiB (0: none): a request
-    # whose reserved slots average fewer than --disaggregation-kv-landing-min-run positions
-    # per run receives its KV there, packed, in a few large writes, copied into its slots
-    # at commit.
-    disaggregation_kv_landing_mib: int = 64
+    # A decode rank's landing area (pdserve/disagg/landing.py), in MiB (0: none; None: 1/32
+    # of the rank's KV pool, within [16, 512] MiB): a request whose reserved slots average
+    # fewer than --disaggregation-kv-landing-min-run positions per run receives its KV
+    # there, packed, in a few large writes, copied into its slots at commit.
+    disaggregation_kv_landing_mib: int | None = None
     disaggregation_kv_landing_min_run: int = 64
     # torch_native decode keeps running requests' KV contiguous (pdserve/model/decode_mirror.py).
     disable_decode_kv_mirror: bool = False

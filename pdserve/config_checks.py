@@ -220,7 +220,7 @@ def _check_disaggregation(args: "ServerArgs", bad: Any) -> None:
                  "disaggregation_transfer_timeout", "disaggregation_heartbeat_interval"):
         if getattr(args, name) <= 0:
             raise bad(name, f"must be > 0, got {getattr(args, name)}")
-    if args.disaggregation_kv_landing_mib < 0:
+    if args.disaggregation_kv_landing_mib is not None and args.disaggregation_kv_landing_mib < 0:
         raise bad("disaggregation_kv_landing_mib", f"must be >= 0 (0: no landing area), got "
                   f"{args.disaggregation_kv_landing_mib}")
     if args.disaggregation_kv_landing_min_run < 1:

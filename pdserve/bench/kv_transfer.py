@@ -379,7 +379,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> memoryview | None:
     return view
 
 
-def _receiver(engine_name: str, conn: Any) -> None:
+def _receiver(engine_name: str, conn: Any, nixl_progress_delay_us: int | None = None) -> None:
     """Serves ("setup", shape, slots, landing_positions) -> (session, metadata, layout,
     landing area's spec or None), ("raw",) -> the bytes received on one raw socket
     connection (see below), ("clear", slots), ("check", slots) -> the buffers not holding
@@ -389,6 +389,7 @@ def _receiver(engine_name: str, conn: Any) -> None:
     process that created a UCX backend must not run interpreter exit."""
     from pdserve.disagg.engines import make_transfer_engine
 
+    set_nixl_progress_delay(nixl_progress_delay_us)
     engine = None
     bufs: dict[str, torch.Tensor] = {}
     # The case's landing area, as a decode rank owns one, and the piece ``land`` took.
@@ -480,13 +481,22 @@ def _receiver(engine_name: str, conn: Any) -> None:
     os._exit(0)
 
 
+def set_nixl_progress_delay(delay_us: int | None) -> None:
+    """NIXL engines made from now on in this process pause ``delay_us`` between their
+    progress thread's polls (None: pdserve's default)."""
+    if delay_us is not None:
+        from pdserve.disagg.nixl_engine import NixlTransfer
+
+        NixlTransfer.PROGRESS_DELAY_US = delay_us
+
+
 class Receiver:
     """The receiving process of one engine, kept for the whole run."""
 
-    def __init__(self, engine_name: str) -> None:
+    def __init__(self, engine_name: str, nixl_progress_delay_us: int | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_receiver, args=(engine_name, child), daemon=True)
+        self._proc = ctx.Process(target=_receiver, args=(engine_name, child, nixl_progress_delay_us), daemon=True)
         self._proc.start()
         child.close()
         self.port = self._ask(None)
@@ -895,7 +905,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="prefill chunk size of the TTFT split and of the churn")
     ap.add_argument("--page-size", type=_positive("--page-size"), default=PD_PAGE_SIZE,
                     help="page size of the TTFT split (default: a PD server's)")
+    ap.add_argument("--nixl-progress-delay-us", type=int, default=None,
+                    help="NIXL engines' pause between progress polls, in microseconds (default: pdserve's, "
+                         "NixlTransfer.PROGRESS_DELAY_US; 0 is NIXL's own busy loop)")
     args = ap.parse_args(argv)
+    if args.nixl_progress_delay_us is not None and args.nixl_progress_delay_us < 0:
+        ap.error(f"--nixl-progress-delay-us must be >= 0, not {args.nixl_progress_delay_us}")
     if args.pool_factor < 1.5:
         ap.error(f"--pool-factor must be at least 1.5 (the pool holds the measured request and others), "
                  f"not {args.pool_factor}")
@@ -908,6 +923,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    set_nixl_progress_delay(args.nixl_progress_delay_us)
     churn = Churn(pool_factor=args.pool_factor, steps=args.churn_steps, chunk=args.chunk)
     sizes = {key: sizes_of(SHAPES[key], args.sizes_mib, args.tokens, args.max_bytes) for key in args.shapes}
     if any(sizes.values()):
@@ -930,7 +946,7 @@ def main(argv: list[str] | None = None) -> None:
             print(line)
         cache: dict[int, list[Pattern]] = {}  # the same slots for every engine and shape
         for name in args.engines:
-            receiver = Receiver(name)
+            receiver = Receiver(name, args.nixl_progress_delay_us)
             try:
                 for key in args.shapes:
                     for tokens in sizes[key]:

@@ -40,7 +40,8 @@ from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.admission import too_big
 from pdserve.scheduler.batch import Draws, Gain, StepOutput
-from pdserve.disagg.landing import LandingArea, LandingRegion, landing_names, landing_regions, worth_landing
+from pdserve.disagg.landing import (LandingArea, LandingRegion, landing_bytes, landing_names, landing_regions,
+                                    worth_landing)
 from pdserve.disagg.layout import HeadRange, KVLayout, feature_slice
 from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, carried_state,
                                     compat_record, kv_layout, register_buffers, split_samples, transfer_staging)
@@ -89,9 +90,10 @@ class DecodeSide(Mode):
         self.layout = layout
         # The landing area lives where the engine writes: with host staging, in host memory
         # (a landed request is then copied into the device buffers straight from it).
-        mib = core.args.disaggregation_kv_landing_mib
-        self.landing = (LandingArea(mib << 20, "cpu" if self.staging is not None else core.device)
-                        if mib else None)
+        nbytes = landing_bytes(core.args.disaggregation_kv_landing_mib,
+                               sum(t.numel() * t.element_size() for t in self._transfer_buffers().values()))
+        self.landing = (LandingArea(nbytes, "cpu" if self.staging is not None else core.device)
+                        if nbytes else None)
         self.landing_min_run = core.args.disaggregation_kv_landing_min_run
         if self.landing is not None:
             register_buffers(engine, KVLayout(layout.page_size, (self.landing.spec,)))

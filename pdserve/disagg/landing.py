@@ -43,6 +43,21 @@ LANDING_MIN_RUN = 64
 LANDING_ALIGN = 4096
 
 
+# The default landing area: this share of the rank's transfer buffers, within bounds.
+LANDING_POOL_SHARE = 1 / 32
+LANDING_DEFAULT_BYTES = (16 << 20, 512 << 20)
+
+
+def landing_bytes(mib: int | None, pool_bytes: int) -> int:
+    """The landing area's size for ``--disaggregation-kv-landing-mib mib`` (None: the
+    default share of ``pool_bytes``, the rank's transfer buffers, within bounds; 0: none)."""
+    if mib is not None:
+        return mib << 20
+    low, high = LANDING_DEFAULT_BYTES
+    share = int(pool_bytes * LANDING_POOL_SHARE) // LANDING_ALIGN * LANDING_ALIGN
+    return min(max(share, low), high)
+
+
 @dataclass(frozen=True)
 class LandingRegion:
     """Where one destination buffer's rows of a request sit in its landing piece."""

@@ -219,7 +219,7 @@ class NixlTransfer:
         config = nixl.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[],
                                         sync_mode=sync)
         try:
-            with agent_config(nixl, int(os.environ.get("PDSERVE_NIXL_PROGRESS_DELAY_US", self.PROGRESS_DELAY_US))):
+            with agent_config(nixl, self.PROGRESS_DELAY_US):
                 agent = nixl.nixl_agent(self.session_id, config)
             with _environment(env):
                 agent.create_backend("UCX", {})

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from pdserve.disagg.landing import (LANDING_ALIGN, LandingArea, landing_names, landing_regions, slot_runs,
-                                    worth_landing)
+from pdserve.disagg.landing import (LANDING_ALIGN, LandingArea, landing_bytes, landing_names, landing_regions,
+                                    slot_runs, worth_landing)
 from pdserve.disagg.layout import BufferSpec, HandshakeError, HeadRange, KVLayout, feature_slice, kv_head_range, plan_transfer
 from pdserve.disagg.transfer import LocalTransfer
 from tests.disagg.test_layout import HEAD_DIM, SLOTS, layout, pool
@@ -183,3 +183,11 @@ def test_only_scattered_reserves_land():
     assert worth_landing(scattered)
     assert not worth_landing(scattered, min_run=2) and worth_landing(scattered, min_run=3)
     assert not worth_landing([7])
+
+
+def test_the_default_area_is_a_share_of_the_pool_within_bounds():
+    assert landing_bytes(0, 1 << 40) == 0              # --disaggregation-kv-landing-mib 0: none
+    assert landing_bytes(100, 1 << 20) == 100 << 20    # as given
+    assert landing_bytes(None, 1 << 20) == 16 << 20    # a small pool: the floor
+    assert landing_bytes(None, 8 << 30) == 256 << 20   # 1/32 of 8 GiB
+    assert landing_bytes(None, 80 << 30) == 512 << 20  # the ceiling

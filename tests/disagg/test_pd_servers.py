@@ -158,7 +158,8 @@ def test_landed_transfers_over_real_engines(dirs, make_engine, backend, p_tp, d_
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
         landing = d.wait_idle()["disaggregation"]["landing"]
         assert landing["landed_requests"] == len(prompts), landing
-        assert landing["free_bytes"] == landing["capacity_bytes"] == 64 << 20 and landing["pieces"] == 0, landing
+        # The default size: 1/32 of the rank's KV pool, at least 16 MiB (this model's pool is small).
+        assert landing["free_bytes"] == landing["capacity_bytes"] == 16 << 20 and landing["pieces"] == 0, landing
         assert metric_values(d.client.get("/metrics").text)["pdserve:decode_landed_requests_total"] == len(prompts)
 
 
