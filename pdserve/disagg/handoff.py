@@ -235,6 +235,15 @@ def kv_layout(sched: "Scheduler", staging: HostStaging | None, with_features: bo
     return KVLayout(sched.page_size, tuple(specs))
 
 
+def transfer_tensors(sched: "Scheduler", staging: HostStaging | None) -> list[torch.Tensor]:
+    """The tensors this rank's KV layout publishes (``kv_layout`` without features): the
+    KV and draft KV buffers, or their host twins when staged."""
+    kv = dict(sched.kv.kv_pool.buffers())
+    if sched.spec is not None:
+        kv.update(sched.spec.draft_pool.buffers())
+    return list(staging.twins(kv).values()) if staging is not None else list(kv.values())
+
+
 def register_buffers(engine: object, layout: KVLayout) -> None:
     for b in layout.buffers:
         engine.register(b.ptr, b.num_slots * b.slot_bytes)  # type: ignore[attr-defined]

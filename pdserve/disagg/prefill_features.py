@@ -11,6 +11,7 @@ import threading
 import torch
 
 from pdserve.disagg.handoff import feature_elements
+from pdserve.disagg.gather import SourceRows
 from pdserve.disagg.layout import BufferSpec, HandshakeError
 from pdserve.disagg.staging import HostStaging, StagingMemoryError
 from pdserve.scheduler.memory_budget import MIN_HEADROOM_BYTES, device_free_bytes
@@ -32,10 +33,13 @@ class FeatureProvider:
     """Publishes the prefill server's feature pool to decode peers (its ``provide`` is
     called at a handshake, on the transfer manager's thread)."""
 
-    def __init__(self, core: Scheduler, engine: object, staging: HostStaging | None) -> None:
+    def __init__(self, core: Scheduler, engine: object, staging: HostStaging | None,
+                 sources: SourceRows | None = None) -> None:
+        """``sources``: where the pool it publishes is recorded (the gather buffer reads it)."""
         self.core = core
         self.engine = engine
         self.staging = staging
+        self.sources = sources
         self._lock = threading.Lock()
         self._registered = False
 
@@ -74,6 +78,8 @@ class FeatureProvider:
             if not self._registered:  # Mooncake writes only from registered memory
                 self.engine.register(pool.data_ptr(), pool.numel() * pool.element_size())  # type: ignore
                 self._registered = True
+                if self.sources is not None:
+                    self.sources.add(pool)
             row = pool[0].numel() * pool.element_size()
             if row != slot_bytes:
                 raise HandshakeError(f"features: prefill rows are {row} bytes, decode's {slot_bytes}")

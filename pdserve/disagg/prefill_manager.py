@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from pdserve.disagg import protocol as P
-from pdserve.disagg.layout import (BufferSpec, CompatRecord, HandshakeError, HeadRange, KVLayout, TransferPlan,
-                                   check_compatible, plan_transfer)
+from pdserve.disagg.gather import SourceGather
+from pdserve.disagg.layout import (BufferPair, BufferSpec, CompatRecord, HandshakeError, HeadRange, KVLayout,
+                                   TransferPlan, check_compatible, plan_transfer)
 from pdserve.disagg.landing import landing_names, landing_regions
 from pdserve.disagg.link import LinkConfig, _Link, _Side
 from pdserve.disagg.rooms import RoomError, RoomState, RoomTable
-from pdserve.disagg.transfer import TransferEngine, TransferError
+from pdserve.disagg.transfer import TransferEngine, TransferError, WriteBatch
 
 # The managers' messages keep the logger name they had before the split (log filters).
 logger = logging.getLogger("pdserve.disagg.manager")
@@ -110,12 +111,14 @@ class PrefillTransferManager(_Side):
                  head_ranges: Sequence[HeadRange] | None, host: str = "127.0.0.1",
                  cfg: LinkConfig = LinkConfig(),
                  provide_features: Callable[[tuple[int, ...], int], BufferSpec] | None = None,
-                 draft_head_ranges: Sequence[HeadRange] | None = None) -> None:
+                 draft_head_ranges: Sequence[HeadRange] | None = None, gather: SourceGather | None = None) -> None:
         """``provide_features(layers, width)``: called at a handshake that needs target
         features this side does not publish; returns the (registered) buffer it will
         fill, or raises HandshakeError. ``head_ranges`` / ``draft_head_ranges``: the
-        target's / the draft's KV heads each prefill rank holds."""
+        target's / the draft's KV heads each prefill rank holds. ``gather``: the rank's
+        gather buffer for writes into landing pieces (None: every write as planned)."""
         self.engine, self.compat, self.layout = engine, compat, layout
+        self.gather = gather
         self._provide_features = provide_features
         self.tp_rank, self.head_ranges = tp_rank, list(head_ranges) if head_ranges else None
         self.draft_head_ranges = list(draft_head_ranges) if draft_head_ranges else None
@@ -392,24 +395,19 @@ class PrefillTransferManager(_Side):
                 if draft:
                     if not request.want_draft_state or plans.draft is None:
                         continue  # that decode rank drafts from features, or another rank sends
-                    batch = plans.draft.writes(src, dst)
-                    self.engine.write(peer.handshake.session_id, batch)
+                    (draft_bytes,) = self._send(peer.handshake.session_id, [plans.draft], src, dst, plans.landed)
                     self.transfer_seconds += time.perf_counter() - t0
-                    self.bytes_by_kind["draft_kv"] += batch.nbytes
+                    self.bytes_by_kind["draft_kv"] += draft_bytes
                     continue
-                batch = plans.target.writes(src, dst)
-                kv_bytes, feature_bytes = batch.nbytes, 0
-                if request.want_features and plans.features is not None:
-                    extra = plans.features.writes(src, dst)
-                    feature_bytes = extra.nbytes
-                    batch = type(batch)(batch.src + extra.src, batch.dst + extra.dst,
-                                        batch.lengths + extra.lengths)
-                if not batch.src:
+                with_features = request.want_features and plans.features is not None
+                sizes = self._send(peer.handshake.session_id,
+                                   [plans.target, plans.features] if with_features else [plans.target],  # type: ignore
+                                   src, dst, plans.landed)
+                if not any(sizes):
                     continue  # this decode rank needs none of our heads
-                self.engine.write(peer.handshake.session_id, batch)
                 self.transfer_seconds += time.perf_counter() - t0
-                self.bytes_by_kind["target_kv"] += kv_bytes
-                self.bytes_by_kind["features"] += feature_bytes
+                self.bytes_by_kind["target_kv"] += sizes[0]
+                self.bytes_by_kind["features"] += sizes[1] if with_features else 0
         except Exception as exc:  # fail the room (before the acknowledgement below), keep the thread
             logger.exception("room %d: transfer failed", room)
             self.rooms.fail(room, f"KV transfer failed: {exc}", "transfer_error")
@@ -423,6 +421,34 @@ class PrefillTransferManager(_Side):
             self._maybe_send_record(room)
             if self.status(room)[0] is RoomState.FAILED or drained:
                 self._ack_if_idle(room, pr)
+
+    def _send(self, session: str, plans: list[TransferPlan], src: Sequence[int], dst: Sequence[int],
+              landed: bool) -> list[int]:
+        """Write what each plan moves of ``src`` to ``dst``: one engine write for what goes
+        as planned, then, into a landing piece, the pairs worth gathering (``gather.py``)
+        piece by piece. The bytes of each plan."""
+        srcs: list[int] = []
+        dsts: list[int] = []
+        lens: list[int] = []
+        gathered: list[BufferPair] = []
+        sizes = []
+        for plan in plans:
+            if landed and self.gather is not None:
+                batch, pairs = self.gather.split(plan, src, dst)
+            else:
+                batch, pairs = plan.writes(src, dst), []
+            srcs += batch.src
+            dsts += batch.dst
+            lens += batch.lengths
+            gathered += pairs
+            sizes.append(batch.nbytes + len(src) * sum(p.length for p in pairs))
+        if srcs:
+            self.engine.write(session, WriteBatch(tuple(srcs), tuple(dsts), tuple(lens)))
+        if gathered:
+            assert self.gather is not None
+            for piece in self.gather.batches(gathered, src, dst):
+                self.engine.write(session, piece)
+        return sizes
 
     def _finish(self, room: int, record: P.HandoffRecord) -> None:
         with self._lock:

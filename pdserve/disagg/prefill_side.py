@@ -33,13 +33,14 @@ from pdserve.disagg.bootstrap import BootstrapServer
 from pdserve.disagg.layout import kv_head_range
 from pdserve.disagg.manager import LinkConfig, PrefillTransferManager
 from pdserve.disagg.rooms import RoomError, RoomState
+from pdserve.disagg.gather import SourceGather, SourceRows
 from pdserve.disagg.prefill_features import FeatureProvider
 from pdserve.model.parallel import TPGroup
 from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput
 from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
                                     draft_state_message, kv_layout, register_buffers, split_samples,
-                                    transfer_staging)
+                                    transfer_staging, transfer_tensors)
 from pdserve.scheduler.mode import Mode
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
@@ -73,13 +74,17 @@ class PrefillSide(Mode):
         layout = kv_layout(core, self.staging, with_features=False)
         register_buffers(engine, layout)
         self.engine = engine
-        features = FeatureProvider(core, engine, self.staging)
+        # What is sent from host memory, by address: the gather buffer copies from it.
+        sources = SourceRows()
+        for t in transfer_tensors(core, self.staging):
+            sources.add(t)
+        features = FeatureProvider(core, engine, self.staging, sources)
         ranges = [kv_head_range(runner.config.num_kv_heads, r, tp.size) for r in range(tp.size)]
         draft_ranges = None if core.spec is None else [
             kv_head_range(core.spec.config.layer.num_kv_heads, r, tp.size) for r in range(tp.size)]
         self.manager = PrefillTransferManager(engine, compat_record(core), layout, tp.rank, ranges,  # type: ignore
                                               host=host, cfg=link, provide_features=features.provide,
-                                              draft_head_ranges=draft_ranges)
+                                              draft_head_ranges=draft_ranges, gather=SourceGather(engine, sources))
         self.handoffs = HandoffTable(tp)
 
     # ---- requests -------------------------------------------------------------------
@@ -325,7 +330,8 @@ class PrefillSide(Mode):
                             bootstrapping=booting, awaiting_prompt=awaiting, inflight=inflight,
                             transfer_bytes=self.manager.bytes_sent,
                             transfer_bytes_by_kind=dict(self.manager.bytes_by_kind),
-                            transfer_seconds=self.manager.transfer_seconds)
+                            transfer_seconds=self.manager.transfer_seconds,
+                            gathered_bytes=self.manager.gather.gathered_bytes if self.manager.gather else 0)
 
     def close(self) -> None:
         self.manager.close()

@@ -191,3 +191,84 @@ def test_the_default_area_is_a_share_of_the_pool_within_bounds():
     assert landing_bytes(None, 1 << 20) == 16 << 20    # a small pool: the floor
     assert landing_bytes(None, 8 << 30) == 256 << 20   # 1/32 of 8 GiB
     assert landing_bytes(None, 80 << 30) == 512 << 20  # the ceiling
+
+
+# ---- the prefill side's gather buffer --------------------------------------------------------
+from pdserve.disagg.gather import SourceGather, SourceRows  # noqa: E402
+
+
+class Recorder(LocalTransfer):
+    """LocalTransfer that keeps each write's entry count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registered: list[tuple[int, int]] = []
+        self.writes: list[int] = []
+
+    def register(self, ptr: int, length: int) -> None:
+        self.registered.append((ptr, length))
+
+    def write(self, peer_session: str, batch) -> None:
+        self.writes.append(len(batch.src))
+        super().write(peer_session, batch)
+
+
+@pytest.mark.parametrize("gather_bytes", [1 << 20, 3 * 4 * HEAD_DIM * 4])
+def test_a_strided_source_is_gathered_into_one_entry_per_pair_and_piece(gather_bytes):
+    """Decode at TP2, prefill at TP1: each decode rank holds half of every prefill slot's
+    heads, one entry per position when sent as planned. Gathered, each pair is one entry
+    per piece of positions that fits the buffer; the bytes land where they belong."""
+    kv_heads, p_tp, d_tp = 4, 1, 2
+    src = {name: t for name, t in pool("target", 2, kv_heads).items()}
+    p_ranges = [kv_head_range(kv_heads, 0, p_tp)]
+    src_slots, dst_slots = [0, 1, 2, 3, 4, 5, 6, 7], [8, 2, 6, 1, 0, 9, 11, 3]
+    sources = SourceRows()
+    for t in src.values():
+        sources.add(t)
+    for dr in range(d_tp):
+        hr = kv_head_range(kv_heads, dr, d_tp)
+        dst = {name: torch.zeros(SLOTS, hr.count, HEAD_DIM) for name in src}
+        dst_layout = layout(dst, heads=hr)
+        plan = plan_transfer(layout(src, heads=p_ranges[0]), dst_layout, wanted=list(src), prefill_rank=0,
+                             prefill_head_ranges=p_ranges)
+        regions, size = landing_regions(dst_layout, list(src), len(dst_slots), {n: p_ranges for n in src})
+        area = LandingArea(1 << 20)
+        offset = area.take(size)
+        landed = plan.landed(area.spec.ptr + offset, regions, len(dst_slots))
+        assert len(landed.writes(src_slots, range(8)).src) == len(plan.pairs) * len(src_slots)  # as planned
+        engine = Recorder()
+        gather = SourceGather(engine, sources, nbytes=gather_bytes)
+        direct, pairs = gather.split(landed, src_slots, range(8))
+        assert not direct.src and len(pairs) == len(plan.pairs)
+        for piece in gather.batches(pairs, src_slots, range(8)):
+            engine.write("self", piece)
+        per_piece = max(1, gather_bytes // sum(p.length for p in pairs))
+        assert engine.writes == [len(pairs)] * -(-len(src_slots) // per_piece), engine.writes
+        assert engine.registered == [(gather._buffer.data_ptr(), gather_bytes)]  # registered once, at first use
+        assert gather.gathered_bytes == len(src_slots) * sum(p.length for p in pairs)
+        area.unpack(offset, regions, dst_slots, dst)
+        for name in src:
+            assert torch.equal(dst[name][dst_slots], src[name][src_slots][:, hr.start: hr.end]), (name, dr)
+
+
+def test_runs_and_unknown_memory_go_as_planned():
+    src = pool("target", 1, 2)
+    dst = pool("target", 1, 2, fill=0.0)
+    plan = plan_transfer(layout(src), layout(dst), wanted=list(src))
+    regions, size = landing_regions(layout(dst), list(src), 6)
+    area = LandingArea(1 << 20)
+    landed = plan.landed(area.spec.ptr, regions, 6)
+    known = SourceRows()
+    for t in src.values():
+        known.add(t)
+    engine = Recorder()
+    # One run of source slots: one entry per pair already, nothing to gather.
+    direct, pairs = SourceGather(engine, known).split(landed, [2, 3, 4, 5, 6, 7], range(6))
+    assert not pairs and len(direct.src) == 2
+    # Scattered, but the source is not memory this rank registered as host rows: as planned.
+    direct, pairs = SourceGather(engine, SourceRows()).split(landed, [9, 2, 5, 0, 7, 3], range(6))
+    assert not pairs and len(direct.src) == 2 * 6
+    # Scattered host rows: gathered; nothing was allocated or registered before that.
+    gather = SourceGather(engine, known)
+    direct, pairs = gather.split(landed, [9, 2, 5, 0, 7, 3], range(6))
+    assert not direct.src and len(pairs) == 2 and gather._buffer is None and not engine.registered

@@ -161,6 +161,10 @@ def test_landed_transfers_over_real_engines(dirs, make_engine, backend, p_tp, d_
         # The default size: 1/32 of the rank's KV pool, at least 16 MiB (this model's pool is small).
         assert landing["free_bytes"] == landing["capacity_bytes"] == 16 << 20 and landing["pieces"] == 0, landing
         assert metric_values(d.client.get("/metrics").text)["pdserve:decode_landed_requests_total"] == len(prompts)
+        # Decode at a higher TP holds part of each prefill slot's heads: prefill gathers
+        # them (else one entry per position); otherwise its slots are runs and go as planned.
+        gathered = p.wait_idle()["disaggregation"]["gathered_bytes"]
+        assert (gathered > 0) == (d_tp > p_tp), gathered
 
 
 @pytest.mark.parametrize("p_tp,d_tp,decode_spec", [(1, 2, False), (2, 1, False)], ids=["p-tp1-d-tp2", "p-tp2-d-tp1"])
