@@ -7,6 +7,7 @@ their slots directly)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +18,13 @@ from pdserve.disagg.prefill_side import prefill_scheduler
 from pdserve.requests import RequestBuilder
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.req import samples_from_message
-from tests.disagg.test_pd_schedulers import GREEDY, SPEC, dirs, pools_full, prompts, run_pair, sched, step_until  # noqa: F401
+from tests.disagg.test_pd_schedulers import GREEDY, build_pd_models, pools_full, prompts, run_pair, sched, step_until
 from tests.waiting import wait_until
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    return build_pd_models(tmp_path_factory.mktemp("pd-landing"))
+
 
 ALWAYS_LAND = {"disaggregation_kv_landing_min_run": 10**9}  # any reserve of 2+ slots lands
 
@@ -29,6 +35,11 @@ def pair(dirs, p_algo: str | None, d_algo: str | None, extra: dict[str, Any], de
     d = sched(decode_scheduler, dirs, d_algo, {**extra, **decode_extra},
               fetch_ranks=lambda url: [p.mode.manager.rank_info(1, "127.0.0.1")])
     return p, d
+
+
+def colocated(make_engine, dirs, ps: list[list[int]]) -> list[list[int]]:
+    """The colocated engine's greedy outputs (the reference)."""
+    return [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
 
 
 def landing_full(d) -> None:
@@ -45,7 +56,7 @@ def landing_full(d) -> None:
 ], ids=["plain-page1", "plain-page16", "eagle-draft-state", "plain-to-eagle3-features", "eagle3-to-plain"])
 def test_landed_transfers_equal_colocated(make_engine, dirs, p_algo, d_algo, extra):
     ps = prompts(6, seed=3)
-    ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
+    ref = colocated(make_engine, dirs, ps)
     p, d = pair(dirs, p_algo, d_algo, extra, ALWAYS_LAND)
     try:
         assert run_pair(p, d, ps) == ref
@@ -57,8 +68,7 @@ def test_landed_transfers_equal_colocated(make_engine, dirs, p_algo, d_algo, ext
             assert (sent["draft_kv"] > 0, sent["features"] > 0) == (shares, not shares), sent
         # Longer prompts: decode serves each one's cached prefix itself and lands the rest.
         longer = [ids + [7 + i, 11, 13 + i, 17, 19] for i, ids in enumerate(ps)]
-        ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=longer,
-                                                                            sampling_params=GREEDY)]
+        ref = colocated(make_engine, dirs, longer)
         hits = d.mode.prefix_hit_tokens
         assert run_pair(p, d, longer) == ref
         assert d.mode.prefix_hit_tokens > hits and d.mode.landed_requests == 2 * len(ps)
@@ -72,7 +82,7 @@ def test_landed_transfers_equal_colocated(make_engine, dirs, p_algo, d_algo, ext
 
 def test_a_busy_landing_area_means_direct_writes(make_engine, dirs):
     ps = prompts(4, seed=5)
-    ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
+    ref = colocated(make_engine, dirs, ps)
     p, d = pair(dirs, None, None, {"page_size": 1}, ALWAYS_LAND)
     area = d.mode.landing
     try:
@@ -89,7 +99,7 @@ def test_a_busy_landing_area_means_direct_writes(make_engine, dirs):
 
 def test_no_landing_area_with_zero_mib(make_engine, dirs):
     ps = prompts(3, seed=6)
-    ref = [r["output_ids"] for r in make_engine(dirs["target"]).generate(input_ids=ps, sampling_params=GREEDY)]
+    ref = colocated(make_engine, dirs, ps)
     p, d = pair(dirs, None, None, {"page_size": 1}, {**ALWAYS_LAND, "disaggregation_kv_landing_mib": 0})
     try:
         assert d.mode.landing is None and d.mode.manager.landing is None

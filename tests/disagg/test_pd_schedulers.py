@@ -30,12 +30,16 @@ from tests.waiting import wait_until
 GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("pd")
+def build_pd_models(root: Path) -> dict[str, Path]:
+    """The target model and its EAGLE and EAGLE3 drafts these tests pair."""
     t = build_random_model(root / "t", "llama", num_layers=4, num_heads=4, num_kv_heads=2)
     return {"target": t, "EAGLE": build_random_draft(t, root / "e", "EAGLE"),
             "EAGLE3": build_random_draft(t, root / "e3", "EAGLE3", draft_vocab_size=50)}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    return build_pd_models(tmp_path_factory.mktemp("pd"))
 
 
 SPEC: dict[str, dict[str, Any]] = {}
