@@ -50,6 +50,17 @@ and Mooncake needs ~20 s for half a million 512-byte entries. Memory: about
 ``2 * --pool-factor + 1`` times the largest request (the landing area holds one), split
 between the two processes.
 
+With ``--decode-tp N`` (N > 1) part 1 measures instead the tensor-parallel mismatch: a TP1
+prefill rank sending decode rank 0 at TP N, which holds ``kv_heads / N`` heads of each slot
+(``kv_head_range``), on contiguous slots on both sides (``measure_tp_case``): "tp direct"
+writes the plan into the rank's slots (a strided part of every source slot: one entry per
+position and buffer, whatever the page size), "tp gathered" as pdserve sends it (the
+prefill rank's ``SourceGather`` copies the rows into its registered buffer and writes one
+entry per buffer and piece into the rank's landing piece, which the receiver unpacks; all
+timed). Each as GB/s of the bytes the rank receives and against the raw socket moving as
+many, in a table of its own; both checked on the receiver, every head of every slot coded
+(``head_codes``), so a wrong head or position shows.
+
 Part 2, TTFT split (``--ttft-engine``): a prefill and a decode scheduler (each with its
 own engine over loopback TCP, in one process) serve one long prompt at a time; the time to
 the first token on decode is split into prefill (room setup + compute, KV of chunk i
