@@ -50,6 +50,17 @@ and Mooncake needs ~20 s for half a million 512-byte entries. Memory: about
 ``2 * --pool-factor + 1`` times the largest request (the landing area holds one), split
 between the two processes.
 
+With ``--decode-tp N`` (N > 1) part 1 measures instead the tensor-parallel mismatch: a TP1
+prefill rank sending decode rank 0 at TP N, which holds ``kv_heads / N`` heads of each slot
+(``kv_head_range``), on contiguous slots on both sides (``measure_tp_case``): "tp direct"
+writes the plan into the rank's slots (a strided part of every source slot: one entry per
+position and buffer, whatever the page size), "tp gathered" as pdserve sends it (the
+prefill rank's ``SourceGather`` copies the rows into its registered buffer and writes one
+entry per buffer and piece into the rank's landing piece, which the receiver unpacks; all
+timed). Each as GB/s of the bytes the rank receives and against the raw socket moving as
+many, in a table of its own; both checked on the receiver, every head of every slot coded
+(``head_codes``), so a wrong head or position shows.
+
 Part 2, TTFT split (``--ttft-engine``): a prefill and a decode scheduler (each with its
 own engine over loopback TCP, in one process) serve one long prompt at a time; the time to
 the first token on decode is split into prefill (room setup + compute, KV of chunk i
@@ -77,8 +88,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pdserve.config import PD_PAGE_SIZE
+from pdserve.disagg.gather import GATHER_BYTES, SourceGather, SourceRows
 from pdserve.disagg.landing import LANDING_ALIGN, LandingArea, LandingRegion, landing_regions, slot_runs
-from pdserve.disagg.layout import BufferSpec, KVLayout, plan_transfer
+from pdserve.disagg.layout import BufferSpec, HeadRange, KVLayout, kv_head_range, plan_transfer
 from pdserve.disagg.transfer import WriteBatch
 from pdserve.scheduler.kv_manager import pages_for
 from pdserve.scheduler.memory import PageAllocator
@@ -103,12 +115,23 @@ class Shape:
         """The prompt length whose KV is ``mib`` MiB (at least one token)."""
         return max(1, round(mib * 2**20 / self.token_bytes))
 
-    def buffers(self, slots: int, blank: bool = False) -> dict[str, torch.Tensor]:
-        """The per-layer K/V buffers: the sender's hold ``FILL[name]`` everywhere, a
-        receiver's (``blank``) ``BLANK``. Written either way: calloc'd pages would map the
-        shared zero page, and each page's first write would fault inside a timed write."""
-        return {name: torch.empty(slots, self.kv_heads, self.head_dim).fill_(BLANK if blank else FILL[name])
+    def buffers(self, slots: int, blank: bool = False, heads: int | None = None) -> dict[str, torch.Tensor]:
+        """The per-layer K/V buffers (``heads`` KV heads a slot, default all): the sender's
+        hold ``FILL[name]`` everywhere, a receiver's (``blank``) ``BLANK``. Written either
+        way: calloc'd pages would map the shared zero page, and each page's first write
+        would fault inside a timed write."""
+        count = self.kv_heads if heads is None else heads
+        return {name: torch.empty(slots, count, self.head_dim).fill_(BLANK if blank else FILL[name])
                 for name in self.names}
+
+    @property
+    def all_heads(self) -> HeadRange:
+        """The heads a TP1 server's slot holds."""
+        return HeadRange(0, self.kv_heads, self.kv_heads)
+
+    def decode_heads(self, decode_tp: int) -> HeadRange:
+        """The heads decode rank 0 holds at TP ``decode_tp`` (the server's sharding)."""
+        return kv_head_range(self.kv_heads, 0, decode_tp)
 
     @property
     def names(self) -> list[str]:
@@ -124,9 +147,44 @@ SHAPES = {"demo": Shape("demo (4 layers, 4x32 KV)", 4, 4, 32),
           "wide": Shape("wide (16 layers, 8x128 KV)", 16, 8, 128)}
 
 
-def layout_of(bufs: dict[str, torch.Tensor]) -> KVLayout:
-    return KVLayout(1, tuple(BufferSpec(n, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size())
+def layout_of(bufs: dict[str, torch.Tensor], heads: HeadRange | None = None) -> KVLayout:
+    """The layout of ``bufs``; ``heads``: the KV heads each slot holds (head-sharded
+    buffers, as a TP server publishes them), None: not head-sharded."""
+    return KVLayout(1, tuple(BufferSpec(n, t.data_ptr(), t.shape[0], t[0].numel() * t.element_size(), heads)
                              for n, t in bufs.items()))
+
+
+# ---- decode at a higher TP than prefill: what the byte check compares --------------------
+
+# Head and slot bits of a code (below): the shapes' KV heads and the largest pool fit.
+_HEAD_BITS, _SLOT_BITS = 4, 20
+
+
+def head_codes(name: str, heads: HeadRange, slots: torch.Tensor) -> torch.Tensor:
+    """The int32 every element of head h of slot s of buffer ``name`` holds on the sender
+    of a --decode-tp case, for ``heads`` and ``slots``: shape (len(slots), heads.count, 1).
+    The buffer, the head and the slot are all in it, so a row in the wrong slot, a head at
+    the wrong offset (strided writes are what this case measures) or a buffer mixed up
+    with another fails the receiver's check, where one value per buffer (FILL) would not."""
+    if heads.total > 1 << _HEAD_BITS:
+        raise ValueError(f"head codes hold at most {1 << _HEAD_BITS} KV heads, not {heads.total}")
+    h = torch.arange(heads.start, heads.end, dtype=torch.int32).view(1, -1, 1)
+    s = (slots.to(torch.int32) % (1 << _SLOT_BITS)).view(-1, 1, 1)
+    # FILL's values are 1..128: code 0..127 in the top bits keeps every code positive, so
+    # none is BLANK's bit pattern (a negative int32).
+    return ((int(FILL[name]) - 1) << (_HEAD_BITS + _SLOT_BITS)) + (h << _SLOT_BITS) + s
+
+
+def coded_buffers(shape: Shape, slots: int) -> dict[str, torch.Tensor]:
+    """The sender's buffers of a --decode-tp case: every head of every slot holds its
+    ``head_codes`` (float32 storage written as int32: the transfers copy bytes)."""
+    out = {}
+    index = torch.arange(slots)
+    for name in shape.names:
+        t = torch.empty(slots, shape.kv_heads, shape.head_dim)
+        t.view(torch.int32)[:] = head_codes(name, shape.all_heads, index)
+        out[name] = t
+    return out
 
 
 # ---- realistic scatter: a churned pool ------------------------------------------------------
@@ -380,18 +438,23 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> memoryview | None:
 
 
 def _receiver(engine_name: str, conn: Any, nixl_progress_delay_us: int | None = None) -> None:
-    """Serves ("setup", shape, slots, landing_positions) -> (session, metadata, layout,
-    landing area's spec or None), ("raw",) -> the bytes received on one raw socket
+    """Serves ("setup", shape, slots, landing_positions, decode_tp) -> (session, metadata,
+    layout, landing area's spec or None), ("raw",) -> the bytes received on one raw socket
     connection (see below), ("clear", slots), ("check", slots) -> the buffers not holding
-    the sender's values there, ("land", slots) -> the offset of a blanked landing piece for
-    a request with those slots, ("unpack",) -> None once that piece is copied into them,
-    ("close",) -> None; ends on None or when the parent is gone. Ends with os._exit: a
+    the sender's values there, ("check_heads", slots, src_slots) -> the same for a
+    --decode-tp case (``head_codes``), ("land", slots) -> the offset of a blanked landing
+    piece for a request with those slots, ("unpack",) -> None once that piece is copied into
+    them, ("close",) -> None; ends on None or when the parent is gone. Ends with os._exit: a
     process that created a UCX backend must not run interpreter exit."""
     from pdserve.disagg.engines import make_transfer_engine
 
     set_nixl_progress_delay(nixl_progress_delay_us)
     engine = None
     bufs: dict[str, torch.Tensor] = {}
+    # The case's heads per slot (decode rank 0's at its TP; None: all, not head-sharded) and
+    # every prefill rank's heads of each buffer (one TP1 rank), as the landing piece is cut.
+    heads: HeadRange | None = None
+    senders: dict[str, list[HeadRange]] | None = None
     # The case's landing area, as a decode rank owns one, and the piece ``land`` took.
     area: LandingArea | None = None
     landing: tuple[int, tuple[LandingRegion, ...], list[int]] | None = None  # (offset, regions, slots)
@@ -407,15 +470,18 @@ def _receiver(engine_name: str, conn: Any, nixl_progress_delay_us: int | None = 
             if cmd is None:
                 break
             if cmd[0] == "setup":
-                _, key, slots, landing_positions = cmd
+                _, key, slots, landing_positions, decode_tp = cmd
+                shape = SHAPES[key]
                 engine = make_transfer_engine(engine_name, host=HOST)
-                bufs = SHAPES[key].buffers(slots, blank=True)
+                heads = shape.decode_heads(decode_tp) if decode_tp > 1 else None
+                senders = {n: [shape.all_heads] for n in shape.names} if heads is not None else None
+                bufs = shape.buffers(slots, blank=True, heads=heads.count if heads is not None else None)
                 for t in bufs.values():
                     engine.register(t.data_ptr(), t.numel() * t.element_size())
-                layout = layout_of(bufs)
+                layout = layout_of(bufs, heads)
                 area, landing = None, None
                 if landing_positions:  # room for one request of that many positions (all buffers)
-                    _, size = landing_regions(layout, layout.names, landing_positions)
+                    _, size = landing_regions(layout, layout.names, landing_positions, senders)
                     area = LandingArea(max(size, LANDING_ALIGN))
                     engine.register(area.spec.ptr, area.capacity)
                 conn.send((engine.session_id, engine.metadata(), layout, area.spec if area is not None else None))
@@ -445,6 +511,12 @@ def _receiver(engine_name: str, conn: Any, nixl_progress_delay_us: int | None = 
             elif cmd[0] == "check":
                 index = torch.tensor(cmd[1], dtype=torch.int64)
                 conn.send(sorted(n for n, t in bufs.items() if not bool((t[index] == FILL[n]).all())))
+            elif cmd[0] == "check_heads":
+                if heads is None:
+                    raise RuntimeError("check_heads: this case's setup has no --decode-tp")
+                index, src = (torch.tensor(c, dtype=torch.int64) for c in cmd[1:])
+                conn.send(sorted(n for n, t in bufs.items()
+                                 if not bool((t.view(torch.int32)[index] == head_codes(n, heads, src)).all())))
             elif cmd[0] == "land":
                 # As decode admits a request with scattered slots: a piece of its landing area
                 # (blanked, so that a write that did not come leaves no earlier pattern's rows).
@@ -452,8 +524,8 @@ def _receiver(engine_name: str, conn: Any, nixl_progress_delay_us: int | None = 
                     raise RuntimeError("land: this case's setup asked for no landing area")
                 if landing is not None:
                     area.give(landing[0])
-                layout = layout_of(bufs)
-                regions, size = landing_regions(layout, layout.names, len(cmd[1]))
+                layout = layout_of(bufs, heads)
+                regions, size = landing_regions(layout, layout.names, len(cmd[1]), senders)
                 offset = area.take(size)
                 if offset is None:
                     raise RuntimeError(f"land: {len(cmd[1])} positions ({size} bytes) do not fit the "
@@ -470,7 +542,7 @@ def _receiver(engine_name: str, conn: Any, nixl_progress_delay_us: int | None = 
             elif cmd[0] == "close":
                 if engine is not None:
                     engine.close()
-                engine, bufs, area, landing = None, {}, None, None
+                engine, bufs, area, landing, heads, senders = None, {}, None, None, None, None
                 conn.send(None)
     except BaseException:
         traceback.print_exc()
@@ -488,6 +560,13 @@ def set_nixl_progress_delay(delay_us: int | None) -> None:
         from pdserve.disagg.nixl_engine import NixlTransfer
 
         NixlTransfer.PROGRESS_DELAY_US = delay_us
+
+
+def _refuse_wrong(wrong: Sequence[str], what: str) -> None:
+    """RuntimeError naming the buffers (``wrong``) whose written slots do not hold ``what``."""
+    if wrong:
+        raise RuntimeError(f"the written slots do not hold {what} in {', '.join(wrong[:4])}"
+                           + (f" and {len(wrong) - 4} more buffers" if len(wrong) > 4 else ""))
 
 
 class Receiver:
@@ -511,12 +590,14 @@ class Receiver:
         except EOFError:
             raise RuntimeError(f"the receiver process died (exit status {self._proc.exitcode})") from None
 
-    def setup(self, shape: str, slots: int, landing_positions: int = 0
+    def setup(self, shape: str, slots: int, landing_positions: int = 0, decode_tp: int = 1
               ) -> tuple[str, str, KVLayout, BufferSpec | None]:
         """A fresh engine and ``slots`` blank slots of every buffer of ``shape``, all
         registered; with ``landing_positions``, also a landing area holding a request of
-        that many positions. Its session, metadata, layout and landing area (None without)."""
-        return self._ask(("setup", shape, slots, landing_positions))
+        that many positions. ``decode_tp`` > 1: the buffers are decode rank 0's at that TP
+        (its heads of each slot, published head-sharded) and a landing piece is cut for one
+        TP1 prefill rank. Its session, metadata, layout and landing area (None without)."""
+        return self._ask(("setup", shape, slots, landing_positions, decode_tp))
 
     def raw(self) -> socket.socket:
         """A connection to the receiver's raw socket (send ``raw_message``s on it; close it
@@ -534,10 +615,13 @@ class Receiver:
 
     def check(self, slots: Sequence[int]) -> None:
         """RuntimeError unless every buffer holds the sender's values at ``slots``."""
-        wrong = self._ask(("check", list(slots)))
-        if wrong:
-            raise RuntimeError(f"the written slots do not hold the sender's values in {', '.join(wrong[:4])}"
-                               + (f" and {len(wrong) - 4} more buffers" if len(wrong) > 4 else ""))
+        _refuse_wrong(self._ask(("check", list(slots))), "the sender's values")
+
+    def check_heads(self, slots: Sequence[int], src: Sequence[int]) -> None:
+        """RuntimeError unless, in a --decode-tp case, every buffer holds at ``slots`` the
+        sender's ``head_codes`` of ``src`` (position by position) for this rank's heads."""
+        _refuse_wrong(self._ask(("check_heads", list(slots), list(src))), "this decode rank's heads of the sender's "
+                      "values")
 
     def land(self, slots: Sequence[int]) -> int:
         """Take (and blank) a landing piece for a request with destination ``slots``, as
@@ -597,11 +681,12 @@ def wire_entries(batch: WriteBatch, max_entry_bytes: int | None) -> int:
 
 
 def _raw_rate(receiver: Receiver, bufs: dict[str, torch.Tensor], tokens: int, repeats: int,
-              pattern_seconds: float) -> float:
+              pattern_seconds: float, per_buffer: int | None = None) -> float:
     """GB/s of the raw socket moving the first ``tokens`` slots of every buffer (the bytes
-    and memory of the contiguous write), one sendall each, on a connection made once (as
-    the engines' are), acknowledged with one byte per message."""
-    views = [t[:tokens].numpy().view("uint8").reshape(-1) for t in bufs.values()]
+    and memory of the contiguous write; ``per_buffer``: only that many bytes of each, from
+    its start), one sendall each, on a connection made once (as the engines' are),
+    acknowledged with one byte per message."""
+    views = [t[:tokens].numpy().view("uint8").reshape(-1)[:per_buffer] for t in bufs.values()]
     nbytes = sum(v.size for v in views)
     head = nbytes.to_bytes(8, "little")
     with receiver.raw() as sock:
@@ -619,6 +704,14 @@ def _raw_rate(receiver: Receiver, bufs: dict[str, torch.Tensor], tokens: int, re
     if not got or got % nbytes:
         raise RuntimeError(f"the raw socket delivered {got} bytes, not a multiple of {nbytes}")
     return nbytes / best / 1e9
+
+
+def prefix(batch: WriteBatch, max_entries: int) -> WriteBatch:
+    """What is timed of ``batch``: its first ``max_entries`` entries (``batch`` itself when
+    it has no more)."""
+    if len(batch.src) <= max_entries:
+        return batch
+    return WriteBatch(batch.src[:max_entries], batch.dst[:max_entries], batch.lengths[:max_entries])
 
 
 def measure_case(engine_name: str, receiver: Receiver, key: str, tokens: int, pats: list[Pattern],
@@ -653,9 +746,7 @@ def measure_case(engine_name: str, receiver: Receiver, key: str, tokens: int, pa
                 batch = plan.landed(base, regions, len(pat.dst)).writes(pat.src, range(len(pat.dst)))
             else:
                 batch = plan.writes(pat.src, pat.dst)
-            timed = batch
-            if len(batch.src) > max_entries:
-                timed = WriteBatch(batch.src[:max_entries], batch.dst[:max_entries], batch.lengths[:max_entries])
+            timed = prefix(batch, max_entries)
 
             def write() -> None:
                 engine.write(session, timed)
@@ -692,6 +783,108 @@ def measure_case(engine_name: str, receiver: Receiver, key: str, tokens: int, pa
         engine.close()
         receiver.close_case()
     return CaseResult(engine_name, key, tokens, tokens * shape.token_bytes, raw, rates)
+
+
+@dataclass
+class TpResult:
+    """One --decode-tp case: the bytes decode rank 0 receives (its heads of the request),
+    the raw socket moving as many, and the two ways of writing them."""
+    engine: str
+    shape: str
+    tokens: int
+    decode_tp: int
+    nbytes: int
+    raw: float
+    direct: Rate    # plan.writes into the rank's slots: one entry per position and buffer
+    gathered: Rate  # gather buffer -> landing piece -> unpack: one entry per buffer and piece
+    split_s: float  # SourceGather.split's time (the plan's per-position entries, built and dropped)
+
+
+def measure_tp_case(engine_name: str, receiver: Receiver, key: str, tokens: int, decode_tp: int, repeats: int,
+                    max_entries: int, pattern_seconds: float, gather_bytes: int = GATHER_BYTES) -> TpResult:
+    """One request of ``tokens`` tokens sent by a TP1 prefill rank to decode rank 0 at TP
+    ``decode_tp``, which holds ``kv_heads / decode_tp`` heads of each slot: contiguous
+    slots on both sides, so every entry the plan cannot coalesce is the heads' stride.
+
+    - "tp direct": ``plan.writes`` into the rank's slots (one entry per position and buffer;
+      a batch of more than ``max_entries`` is timed on its prefix, then written whole,
+      untimed, for the byte check);
+    - "tp gathered": as pdserve sends it (``PrefillTransferManager._send``): the rank's
+      landing piece (``landing_regions`` cut by the sending prefill rank), the sender's
+      ``SourceGather`` (``gather_bytes``) copying the rows into its registered buffer and
+      writing one entry per buffer and piece, the receiver's unpack; all three timed (the
+      split, which builds the plan's entries to choose the pairs, is timed apart: as
+      ``plan.writes`` is not timed for "tp direct").
+
+    Both are checked on the receiver (``head_codes``: the rank's heads of the sender's
+    slots, position by position). The raw socket moves as many bytes first, before either
+    side has an engine (see ``measure_case``)."""
+    from pdserve.disagg.engines import make_transfer_engine
+
+    shape = SHAPES[key]
+    full, heads = shape.all_heads, shape.decode_heads(decode_tp)
+    bufs = coded_buffers(shape, tokens)
+    per_buffer = tokens * heads.count * shape.head_dim * 4
+    raw = _raw_rate(receiver, bufs, tokens, repeats, pattern_seconds, per_buffer)
+    session, metadata, dst_layout, landing = receiver.setup(key, tokens, tokens, decode_tp)
+    assert landing is not None
+    engine = make_transfer_engine(engine_name, host=HOST)
+    try:
+        sources = SourceRows()
+        for t in bufs.values():
+            engine.register(t.data_ptr(), t.numel() * t.element_size())
+            sources.add(t)
+        engine.add_peer(session, metadata)
+        # As PrefillSide builds it: every prefill rank's heads (one rank, all of them).
+        plan = plan_transfer(layout_of(bufs, full), dst_layout, shape.names, prefill_rank=0,
+                             prefill_head_ranges=[full])
+        gather = SourceGather(engine, sources, gather_bytes)
+        regions, _ = landing_regions(dst_layout, shape.names, tokens, {n: [full] for n in shape.names})
+        slots = range(tokens)
+
+        def gathered_writes() -> tuple[Callable[[], None], list[int], float]:
+            """A fresh (blanked) landing piece and the gathered send into it (entries
+            counted per run), and the split's time."""
+            base = landing.ptr + receiver.land(slots)
+            t0 = time.perf_counter()
+            planned, pairs = gather.split(plan.landed(base, regions, tokens), slots, slots)
+            split_s = time.perf_counter() - t0
+            entries: list[int] = []
+
+            def send() -> None:
+                n = 0
+                if planned.src:  # (none here: every pair's entries are a strided row)
+                    engine.write(session, planned)
+                    n += len(planned.src)
+                for piece in gather.batches(pairs, slots, slots):
+                    engine.write(session, piece)
+                    n += len(piece.src)
+                receiver.unpack()
+                entries.append(n)
+            return send, entries, split_s
+
+        receiver.clear(slots)
+        warm, _, _ = gathered_writes()
+        warm()  # the first write connects; the gather buffer is registered at its first use
+        receiver.clear(slots)
+        send, entries, split_s = gathered_writes()
+        t = best_time(send, repeats, pattern_seconds)
+        receiver.check_heads(slots, slots)
+        nbytes = per_buffer * len(bufs)
+        gathered = Rate(nbytes / t / 1e9, entries[-1], entries[-1])
+
+        receiver.clear(slots)
+        batch = plan.writes(slots, slots)
+        timed = prefix(batch, max_entries)
+        t = best_time(lambda: engine.write(session, timed), repeats, pattern_seconds)
+        if timed is not batch:
+            engine.write(session, batch)
+        receiver.check_heads(slots, slots)
+        direct = Rate(timed.nbytes / t / 1e9, len(batch.src), len(timed.src))
+    finally:
+        engine.close()
+        receiver.close_case()
+    return TpResult(engine_name, key, tokens, decode_tp, nbytes, raw, direct, gathered, split_s)
 
 
 # ---- the table ----------------------------------------------------------------------------
@@ -748,6 +941,26 @@ def format_row(res: CaseResult, page_sizes: Sequence[int]) -> str:
     for key in scatter_keys(page_sizes):
         r = rates.get(key)
         cells.append("n/a" if r is None else f"{r.gbps:.3f} ({vs(r)}; {_entries(r)}; {r.tokens_per_run:.1f})")
+    return "| " + " | ".join(cells) + " |"
+
+
+TP_COLUMNS = ("engine", "model", "tokens", "MiB moved", "raw TCP GB/s", "tp direct GB/s (/ raw; entries)",
+              "tp gathered GB/s, gather + write + unpack (/ raw; entries)", "gathered / direct")
+
+
+def tp_table_header() -> list[str]:
+    return ["| " + " | ".join(TP_COLUMNS) + " |", "|" + "---|" * len(TP_COLUMNS)]
+
+
+def format_tp_row(res: TpResult) -> str:
+    """One row of the --decode-tp table."""
+    def rate(r: Rate) -> str:
+        vs = f"{r.gbps / res.raw:.2g}x" if res.raw > 0 else "-"
+        return f"{r.gbps:.3f} ({vs}; {_entries(r)})"
+    mib = res.nbytes / 2**20
+    cells = [ENGINE_TITLES.get(res.engine, res.engine), SHAPES[res.shape].name, str(res.tokens),
+             f"{mib:.0f}" if mib >= 1 else f"{mib:.2f}", f"{res.raw:.2f}", rate(res.direct), rate(res.gathered),
+             f"{res.gathered.gbps / res.direct.gbps:.1f}x" if res.direct.gbps > 0 else "-"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -905,6 +1118,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="prefill chunk size of the TTFT split and of the churn")
     ap.add_argument("--page-size", type=_positive("--page-size"), default=PD_PAGE_SIZE,
                     help="page size of the TTFT split (default: a PD server's)")
+    ap.add_argument("--decode-tp", type=_positive("--decode-tp"), default=1,
+                    help="above 1: measure instead what a TP1 prefill rank sends decode rank 0 at this TP (its "
+                         "share of each slot's KV heads), written directly vs through the gather buffer into a "
+                         "landing piece (a separate table)")
     ap.add_argument("--nixl-progress-delay-us", type=int, default=None,
                     help="NIXL engines' pause between progress polls, in microseconds (default: pdserve's, "
                          "NixlTransfer.PROGRESS_DELAY_US; 0 is NIXL's own busy loop)")
@@ -914,6 +1131,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.pool_factor < 1.5:
         ap.error(f"--pool-factor must be at least 1.5 (the pool holds the measured request and others), "
                  f"not {args.pool_factor}")
+    if args.decode_tp > 1:
+        for key in args.shapes:
+            heads = SHAPES[key].kv_heads
+            if heads % args.decode_tp and args.decode_tp % heads:
+                ap.error(f"--decode-tp {args.decode_tp} does not shard the {heads} KV heads of shape {key!r} "
+                         "(one must divide the other)")
+            if heads == 1:
+                ap.error(f"--decode-tp: shape {key!r} has one KV head, every decode rank holds all of it")
     if args.sizes_mib is None:
         args.sizes_mib = [] if args.tokens else [1, 16, 64, 256]
     if not args.sizes_mib and not args.tokens and not args.ttft_tokens:
@@ -921,12 +1146,44 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def measure_tp(args: argparse.Namespace, sizes: dict[str, list[int]]) -> None:
+    """The --decode-tp table: each engine, shape and size through ``measure_tp_case``."""
+    print(f"KV writes from a TP1 prefill rank to decode rank 0 at TP {args.decode_tp} (its share of each slot's KV "
+          f"heads), two processes on {HOST}; contiguous slots on both sides; best of at least {args.repeats} (at "
+          f"most {args.pattern_seconds:g} s of repeats per pattern). MiB moved: the bytes the rank receives (the "
+          f"request's KV / {args.decode_tp}), raw TCP moving as many. tp direct: plan.writes into the rank's slots "
+          "(one entry per position and buffer); tp gathered: the gather buffer (SourceGather, "
+          f"{GATHER_BYTES >> 20} MiB) written into a landing piece, one entry per buffer and piece, timed with "
+          f"the copy into the buffer and the receiver's unpack. entries: * = the first {args.max_entries} timed "
+          "(the whole batch written after, untimed, for the byte check).\n", flush=True)
+    for line in tp_table_header():
+        print(line)
+    splits = []
+    for name in args.engines:
+        receiver = Receiver(name, args.nixl_progress_delay_us)
+        try:
+            for key in args.shapes:
+                for tokens in sizes[key]:
+                    res = measure_tp_case(name, receiver, key, tokens, args.decode_tp, args.repeats,
+                                          args.max_entries, args.pattern_seconds)
+                    print(format_tp_row(res), flush=True)
+                    splits.append(f"{ENGINE_TITLES.get(name, name)} {key} {tokens}: {res.split_s * 1e3:.1f}")
+        finally:
+            receiver.stop()
+    # The server's transfer thread also runs the split (choosing the pairs to gather builds
+    # the plan's per-position entries); it is not in the figures above, as plan.writes is not.
+    print("\nSourceGather.split, once per request before the gathered writes (not timed above), ms: "
+          + "; ".join(splits), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     set_nixl_progress_delay(args.nixl_progress_delay_us)
     churn = Churn(pool_factor=args.pool_factor, steps=args.churn_steps, chunk=args.chunk)
     sizes = {key: sizes_of(SHAPES[key], args.sizes_mib, args.tokens, args.max_bytes) for key in args.shapes}
-    if any(sizes.values()):
+    if any(sizes.values()) and args.decode_tp > 1:
+        measure_tp(args, sizes)
+    elif any(sizes.values()):
         extent = has_extent_policy()
         print(f"KV writes through the transfer plan, two processes on {HOST}; best of at least {args.repeats} "
               f"(at most {args.pattern_seconds:g} s of repeats per pattern). Scatter: the pool after churn "

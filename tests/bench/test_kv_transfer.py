@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.bench import kv_transfer as kt
 from pdserve.disagg.landing import landing_regions, slot_runs, worth_landing
-from pdserve.disagg.layout import BufferSpec, KVLayout, plan_transfer
+from pdserve.disagg.layout import BufferSpec, HeadRange, KVLayout, plan_transfer
 from pdserve.scheduler.kv_manager import pages_for
 from pdserve.scheduler.memory import PageAllocator
 
@@ -416,5 +417,144 @@ def test_the_landed_pattern_is_measured_and_checked(engine, monkeypatch):
         monkeypatch.setattr(receiver, "unpack", lambda: None)
         with pytest.raises(RuntimeError, match="do not hold the sender's values"):
             kt.measure_case(engine, receiver, "demo", tokens, pats, [1], churn, 1, 10**6, 0.2)
+    finally:
+        receiver.stop()
+
+
+# ---- --decode-tp: a TP1 prefill rank's writes to one decode rank's share of the heads ----------
+
+@pytest.mark.fast
+def test_head_codes_tell_buffer_head_and_slot_apart():
+    shape = kt.SHAPES["wide"]
+    bufs = kt.coded_buffers(shape, 5)
+    codes = {n: t.view(torch.int32) for n, t in bufs.items()}
+    k0 = codes["target.L0.K"]
+    assert (k0 == k0[:, :, :1]).all()  # one code per (slot, head): the head's elements alike
+    assert len({int(c) for t in codes.values() for c in t[:, :, 0].flatten()}) == 32 * 5 * 8  # all distinct
+    assert (k0 >= 0).all() and torch.tensor([kt.BLANK]).view(torch.int32) < 0  # never BLANK's bits
+    # The receiver's expectation for decode rank 1 of TP 2 (heads 4..7) is the sender's heads 4..7.
+    heads = shape.decode_heads(2)
+    assert heads == HeadRange(0, 4, 8) and shape.decode_heads(4) == HeadRange(0, 2, 8)
+    upper = HeadRange(4, 4, 8)
+    want = kt.head_codes("target.L3.V", upper, torch.tensor([1, 4])).expand(-1, -1, shape.head_dim)
+    assert torch.equal(codes["target.L3.V"][[1, 4], 4:], want)
+    assert not torch.equal(codes["target.L3.V"][[1, 4], :4], want)  # the other heads differ
+    assert not torch.equal(codes["target.L3.V"][[0, 4], 4:], want)  # so do other slots
+    with pytest.raises(ValueError, match="at most 16 KV heads, not 32"):
+        kt.head_codes("target.L0.K", HeadRange(0, 32, 32), torch.arange(2))
+
+
+@pytest.mark.fast
+def test_a_decode_ranks_plan_has_an_entry_per_position_and_buffer_and_its_landing_piece_one_region_each():
+    """What "tp direct" times and why: decode rank 0 at TP 2 holds half of each slot, so
+    even contiguous slots on both sides are one entry per position and buffer; its landing
+    piece, cut for one TP1 prefill rank, is one region per buffer of the half rows."""
+    shape = kt.SHAPES["demo"]
+    src = kt.coded_buffers(shape, 16)
+    dst_bufs = shape.buffers(16, blank=True, heads=2)
+    heads = shape.decode_heads(2)
+    dst = kt.layout_of(dst_bufs, heads)
+    assert {b.heads for b in dst.buffers} == {heads} and {b.slot_bytes for b in dst.buffers} == {2 * 32 * 4}
+    plan = plan_transfer(kt.layout_of(src, shape.all_heads), dst, shape.names, prefill_rank=0,
+                         prefill_head_ranges=[shape.all_heads])
+    assert {(p.src_offset, p.dst_offset, p.length) for p in plan.pairs} == {(0, 0, 256)}
+    assert len(plan.writes(range(16), range(16)).src) == 16 * len(shape.names)
+    regions, size = landing_regions(dst, shape.names, 16, {n: [shape.all_heads] for n in shape.names})
+    assert [(r.row_bytes, r.skip) for r in regions] == [(256, 0)] * len(shape.names) and size == 16 * 256 * 8
+
+
+def _tp_result(direct_entries: int, timed: int) -> kt.TpResult:
+    return kt.TpResult("nixl", "wide", 2048, 2, 128 * 2**20, 2.0, kt.Rate(0.05, direct_entries, timed),
+                       kt.Rate(1.0, 128, 128), 0.01)
+
+
+@pytest.mark.fast
+def test_the_tp_table_rows_line_up_with_its_header():
+    header, rule = kt.tp_table_header()
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    assert cols == list(kt.TP_COLUMNS) and rule.count("---") == len(cols)
+    cells = dict(zip(cols, [c.strip() for c in kt.format_tp_row(_tp_result(65536, 32768)).strip("|").split("|")]))
+    assert len(cells) == len(cols)
+    assert cells == {"engine": "NIXL", "model": "wide (16 layers, 8x128 KV)", "tokens": "2048", "MiB moved": "128",
+                     "raw TCP GB/s": "2.00", "tp direct GB/s (/ raw; entries)": "0.050 (0.025x; 65536*)",
+                     "tp gathered GB/s, gather + write + unpack (/ raw; entries)": "1.000 (0.5x; 128)",
+                     "gathered / direct": "20.0x"}
+    assert "(0.025x; 512)" in kt.format_tp_row(_tp_result(512, 512))  # all timed: no star
+
+
+@pytest.mark.fast
+def test_decode_tp_flag(capsys):
+    assert kt.parse_args([]).decode_tp == 1
+    assert kt.parse_args(["--decode-tp", "2"]).decode_tp == 2
+    assert kt.parse_args(["--decode-tp", "8", "--shapes", "demo"]).decode_tp == 8  # 4 heads: replicated
+    with pytest.raises(SystemExit):
+        kt.parse_args(["--decode-tp", "0"])
+    assert "--decode-tp takes numbers >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kt.parse_args(["--decode-tp", "3"])
+    assert "--decode-tp 3 does not shard the 4 KV heads of shape 'demo'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_the_decode_rank_check_sees_wrong_heads_and_wrong_slots(engine):
+    """What the --decode-tp patterns are checked with: decode rank 0's slots must hold the
+    sender's first half of the heads of the same position; the other half, or the right
+    heads of the next position, fail, naming the buffers."""
+    pytest.importorskip({"mooncake": "mooncake.engine", "nixl": "nixl_cu12"}[engine])
+    from pdserve.disagg.engines import make_transfer_engine
+    from pdserve.disagg.layout import BufferPair, TransferPlan
+
+    shape = kt.SHAPES["demo"]
+    receiver = kt.Receiver(engine)
+    sender = None
+    try:
+        session, metadata, layout, _ = receiver.setup("demo", 8, decode_tp=2)
+        assert {b.heads for b in layout.buffers} == {HeadRange(0, 2, 4)}
+        sender = make_transfer_engine(engine, host=kt.HOST)
+        bufs = kt.coded_buffers(shape, 8)
+        for t in bufs.values():
+            sender.register(t.data_ptr(), t.numel() * t.element_size())
+        sender.add_peer(session, metadata)
+        src = kt.layout_of(bufs, shape.all_heads)
+        plan = plan_transfer(src, layout, shape.names, prefill_rank=0, prefill_head_ranges=[shape.all_heads])
+        sender.write(session, plan.writes(range(8), range(8)))
+        receiver.check_heads(range(8), range(8))
+        with pytest.raises(RuntimeError, match=r"do not hold this decode rank's heads .* in target\.L0\.K, .* 4 more"):
+            receiver.check_heads(range(1, 8), range(7))  # the right heads, of the previous position
+        upper = TransferPlan(tuple(BufferPair(p.src, p.dst, p.length, 0, p.length) for p in plan.pairs))
+        sender.write(session, upper.writes([3], [3]))  # heads 2..3 of slot 3
+        with pytest.raises(RuntimeError, match="do not hold this decode rank's heads"):
+            receiver.check_heads([3], [3])
+        receiver.check_heads([2, 4], [2, 4])
+    finally:
+        if sender is not None:
+            sender.close()
+        receiver.close_case()
+        receiver.stop()
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_a_decode_tp_case_is_measured_and_checked(engine, monkeypatch):
+    """A small real --decode-tp 2 case: both patterns pass the receiver's byte check; the
+    direct one is one entry per position per buffer, the gathered one one per buffer per
+    piece of the gather buffer (here 3: 64 positions of 8 half rows, 24 positions a
+    piece); with the receiver's unpack skipped the gathered pattern fails its check."""
+    pytest.importorskip({"mooncake": "mooncake.engine", "nixl": "nixl_cu12"}[engine])
+    shape = kt.SHAPES["demo"]
+    names = len(shape.names)
+    tokens, per_position = 64, len(shape.names) * 2 * 32 * 4
+    receiver = kt.Receiver(engine)
+    try:
+        res = kt.measure_tp_case(engine, receiver, "demo", tokens, 2, 1, 10**6, 0.2, gather_bytes=24 * per_position)
+        assert res.nbytes == tokens * shape.token_bytes // 2 and res.raw > 0
+        assert res.direct.entries == res.direct.timed_entries == tokens * names
+        assert res.gathered.entries == res.gathered.timed_entries == 3 * names
+        assert res.direct.gbps > 0 and res.gathered.gbps > 0 and res.split_s > 0
+        # A prefix timed: still written whole (untimed) and checked.
+        res = kt.measure_tp_case(engine, receiver, "demo", tokens, 2, 1, 100, 0.2)
+        assert (res.direct.entries, res.direct.timed_entries, res.gathered.entries) == (tokens * names, 100, names)
+        monkeypatch.setattr(receiver, "unpack", lambda: None)
+        with pytest.raises(RuntimeError, match="do not hold this decode rank's heads"):
+            kt.measure_tp_case(engine, receiver, "demo", tokens, 2, 1, 10**6, 0.2)
     finally:
         receiver.stop()
