@@ -24,6 +24,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from pdserve.disagg.landing import slot_runs
 from pdserve.disagg.layout import BufferPair, BufferSpec, TransferPlan
 from pdserve.disagg.transfer import WriteBatch, coalesce
 
@@ -67,25 +68,26 @@ class SourceGather:
 
     def split(self, plan: TransferPlan, src_slots: Sequence[int], dst: Sequence[int]
               ) -> tuple[WriteBatch, list[BufferPair]]:
-        """``plan``'s writes of ``src_slots`` to ``dst`` that go as planned, and the pairs
-        worth gathering instead (their source is host memory this rank knows; one position
-        of all of them fits the buffer). Call ``batches`` with those of one split only."""
-        srcs: list[int] = []
-        dsts: list[int] = []
-        lens: list[int] = []
-        gathered = []
+        """``plan``'s writes of ``src_slots`` to ``dst`` (consecutive positions of a landing
+        piece) that go as planned, and the pairs worth gathering instead (their source is
+        host memory this rank knows; one position of all of them fits the buffer). Call
+        ``batches`` with those of one split only."""
+        # Entries as planned, counted without building them: the destination (a landing
+        # region) is consecutive, so a pair that moves whole slots writes one entry per run
+        # of source slots, any other one per position.
+        runs = slot_runs(src_slots)
+        planned: list[BufferPair] = []
+        gathered: list[BufferPair] = []
         per_position = 0  # of the pairs gathered: a position of each must fit the buffer
         for p in plan.pairs:
-            part = TransferPlan((p,)).writes(src_slots, dst)
-            if (len(part.src) > 1 and part.nbytes < self.below * len(part.src)
+            entries = runs if p.whole_slots else len(src_slots)
+            if (entries > 1 and len(src_slots) * p.length < self.below * entries
                     and per_position + p.length <= self.nbytes and self.sources.rows(p.src) is not None):
                 gathered.append(p)
                 per_position += p.length
-                continue
-            srcs += part.src
-            dsts += part.dst
-            lens += part.lengths
-        return WriteBatch(tuple(srcs), tuple(dsts), tuple(lens)), gathered
+            else:
+                planned.append(p)
+        return TransferPlan(tuple(planned)).writes(src_slots, dst), gathered
 
     def batches(self, pairs: Sequence[BufferPair], src_slots: Sequence[int], dst: Sequence[int]
                 ) -> Iterator[WriteBatch]:
