@@ -41,7 +41,7 @@ from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.admission import too_big
 from pdserve.scheduler.batch import Draws, Gain, StepOutput
 from pdserve.disagg.landing import (LandingArea, LandingRegion, landing_bytes, landing_names, landing_regions,
-                                    worth_landing)
+                                    strided_source, worth_landing)
 from pdserve.disagg.layout import HeadRange, KVLayout, feature_slice
 from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, carried_state,
                                     compat_record, kv_layout, register_buffers, split_samples, transfer_staging)
@@ -293,13 +293,17 @@ class DecodeSide(Mode):
 
     def _take_landing(self, slots: list[int], want_features: bool, draft_state: bool, peers: list[PrefillPeer]
                       ) -> tuple[int, tuple[LandingRegion, ...]]:
-        """A landing piece for a request reserved ``slots``, when they are scattered and a
-        piece is free: its offset and regions (cut by the prefill ranks ``peers`` that
-        write it); (-1, ()): it is written into its slots."""
-        if self.landing is None or not worth_landing(slots, self.landing_min_run):
+        """A landing piece for a request reserved ``slots``, when they are scattered (or a
+        prefill rank of ``peers`` holds more heads than it sends here) and a piece is free:
+        its offset and regions (cut by the prefill ranks that write it); (-1, ()): it is
+        written into its slots."""
+        if self.landing is None or len(slots) < 2:
             return -1, ()
         names = landing_names(self.layout.names, want_features, draft_state)
-        regions, size = landing_regions(self.layout, names, len(slots), peer_head_ranges(peers, names))
+        senders = peer_head_ranges(peers, names)
+        if not (worth_landing(slots, self.landing_min_run) or strided_source(self.layout, names, senders)):
+            return -1, ()
+        regions, size = landing_regions(self.layout, names, len(slots), senders)
         offset = self.landing.take(size)
         return (-1, ()) if offset is None else (offset, regions)
 

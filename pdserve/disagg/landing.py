@@ -128,6 +128,23 @@ def worth_landing(slots: Sequence[int], min_run: int = LANDING_MIN_RUN) -> bool:
     return len(slots) > 1 and slot_runs(slots) * min_run > len(slots)
 
 
+def strided_source(layout: KVLayout, names: Sequence[str], senders: Mapping[str, Sequence[HeadRange]]) -> bool:
+    """Whether some prefill rank sends this decode rank only part of the heads of each of
+    its slots (decode at a higher TP): written as planned that is one entry per position,
+    whatever the slots; landed, the prefill rank gathers it into a few (``gather.py``)."""
+    specs = layout.by_name()
+    for name in names:
+        ranks, spec = senders.get(name), specs[name]
+        if not ranks or spec.heads is None:
+            continue
+        wanted = spec.receives or spec.heads
+        for r, held in enumerate(ranks):
+            sent = sender_heads(ranks, r, wanted)
+            if sent is not None and sent.count < held.count:
+                return True
+    return False
+
+
 def _raw_rows(t: torch.Tensor) -> torch.Tensor:
     """``t``'s storage as one row of bytes per slot (its first dimension)."""
     return t.reshape(t.shape[0], -1).view(torch.uint8)

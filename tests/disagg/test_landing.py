@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.disagg.landing import (LANDING_ALIGN, LandingArea, landing_bytes, landing_names, landing_regions,
-                                    slot_runs, worth_landing)
+                                    slot_runs, strided_source, worth_landing)
 from pdserve.disagg.layout import BufferSpec, HandshakeError, HeadRange, KVLayout, feature_slice, kv_head_range, plan_transfer
 from pdserve.disagg.transfer import LocalTransfer
 from tests.disagg.test_layout import HEAD_DIM, SLOTS, layout, pool
@@ -272,3 +272,21 @@ def test_runs_and_unknown_memory_go_as_planned():
     gather = SourceGather(engine, known)
     direct, pairs = gather.split(landed, [9, 2, 5, 0, 7, 3], range(6))
     assert not direct.src and len(pairs) == 2 and gather._buffer is None and not engine.registered
+
+
+@pytest.mark.parametrize("kv_heads,p_tp,d_tp", [
+    (h, p, d) for h, p, d in itertools.product([1, 2, 4, 8], [1, 2, 4], [1, 2, 4])])
+def test_a_decode_rank_knows_when_a_prefill_rank_sends_it_part_of_its_slots(kv_heads, p_tp, d_tp):
+    """Strided exactly when a sending prefill rank holds more heads than it sends (decode at
+    a higher TP, with more than one KV head per prefill rank): those requests land whatever
+    their slots, so the prefill rank can gather."""
+    p_ranges = [kv_head_range(kv_heads, r, p_tp) for r in range(p_tp)]
+    for dr in range(d_tp):
+        hr = kv_head_range(kv_heads, dr, d_tp)
+        dst_layout = layout({"target.L0.K": torch.zeros(SLOTS, hr.count, HEAD_DIM)}, heads=hr)
+        plans = [plan_transfer(layout({"target.L0.K": torch.zeros(SLOTS, p.count, HEAD_DIM)}, heads=p), dst_layout,
+                               wanted=["target.L0.K"], prefill_rank=r, prefill_head_ranges=p_ranges)
+                 for r, p in enumerate(p_ranges)]
+        partial = any(pair.length < pair.src.slot_bytes for plan in plans for pair in plan.pairs)
+        assert strided_source(dst_layout, ["target.L0.K"], {"target.L0.K": p_ranges}) == partial
+        assert not strided_source(dst_layout, ["target.L0.K"], {})  # no ranges known: as planned

@@ -143,17 +143,19 @@ def test_300_concurrent_requests_over_1p1d_lose_nothing(dirs, make_engine):
                                                ("nixl", 2, 1)],
                          ids=["mooncake", "nixl", "mooncake-d-tp2", "nixl-p-tp2"])
 def test_landed_transfers_over_real_engines(dirs, make_engine, backend, p_tp, d_tp):
-    """Every decode reserve lands (--disaggregation-kv-landing-min-run past any prompt) at
-    page size 1: the engine writes into decode's registered landing area (with prefill at
-    TP2, both prefill ranks into one decode rank's piece, each into its own region),
-    decode copies each request into its slots at commit; outputs equal colocated and the
-    area is whole again afterwards."""
+    """Every decode reserve lands at page size 1: the engine writes into decode's registered
+    landing area (with prefill at TP2, both prefill ranks into one decode rank's piece,
+    each into its own region), decode copies each request into its slots at commit;
+    outputs equal colocated and the area is whole again afterwards. The reserves of a
+    fresh pool are one run: they land because --disaggregation-kv-landing-min-run is past
+    any prompt, or, with decode at the higher TP, by default (the prefill rank sends each
+    decode rank part of each slot's heads, which it gathers)."""
     target, _ = dirs
     rng, prompts, ref = prompts_and_reference(make_engine, target, 31, 6, 20, 70, GREEDY)
     boot = free_port()
+    always = () if d_tp > p_tp else ("--disaggregation-kv-landing-min-run", "1000000000")
     with pd_pair(target, boot, ("--page-size", "1", "--chunked-prefill-size", "16", "--tp-size", str(p_tp)),
-                 ("--page-size", "1", "--tp-size", str(d_tp), "--disaggregation-kv-landing-min-run", "1000000000"),
-                 backend) as (p, d):
+                 ("--page-size", "1", "--tp-size", str(d_tp), *always), backend) as (p, d):
         outs = pd_generate_all(p, d, boot, prompts, GREEDY, [rng.getrandbits(63) for _ in prompts])
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
         landing = d.wait_idle()["disaggregation"]["landing"]
