@@ -13,6 +13,7 @@ An ``Abort`` only says the room failed.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -24,6 +25,9 @@ from pdserve.disagg.layout import BufferSpec, CompatRecord, HandshakeError, KVLa
 from pdserve.disagg.link import LinkConfig, _Link, _Side
 from pdserve.disagg.rooms import RoomState, RoomTable
 from pdserve.disagg.transfer import TransferEngine
+
+# The managers' messages keep the logger name they had before the split (log filters).
+logger = logging.getLogger("pdserve.disagg.manager")
 
 
 @dataclass
@@ -52,6 +56,7 @@ class DecodeTransferManager(_Side):
         self.cfg = cfg
         self.decode_id = f"decode-{uuid.uuid4().hex[:12]}-r{tp_rank}"
         self.rooms = RoomTable(cfg.deadlines)
+        self.peers_lost = 0  # prefill ranks that stopped answering heartbeats
         self._rooms: dict[int, _DecodeRoom] = {}
         self._handshakes: dict[str, threading.Event] = {}
         self._handshake_error: dict[str, str] = {}
@@ -261,6 +266,8 @@ class DecodeTransferManager(_Side):
             for url, peers in list(self._connected.items()):
                 if any(p.control_addr == addr for p in peers):
                     del self._connected[url]
+            self.peers_lost += 1
+        logger.warning("prefill server %s stopped answering heartbeats: %d room(s) with it failed", addr, len(rooms))
         self.rooms.fail_all(f"prefill server {addr} stopped answering heartbeats", "peer_dead", rooms)
 
     def close(self) -> None:

@@ -138,7 +138,8 @@ def add_pd_state(st: dict[str, object], mode: str, waiting: int, running: int, m
     st["num_waiting_reqs"] += waiting  # type: ignore[operator]
     st["num_running_reqs"] += running  # type: ignore[operator]
     st["disaggregation"] = {"mode": mode, **extra, "rooms": manager.rooms.counts(),
-                            "failures": dict(manager.rooms.failures), "refused_messages": manager.refused_messages,
+                            "failures": dict(manager.rooms.failures), "peers_lost": manager.peers_lost,
+                            "refused_messages": manager.refused_messages,
                             "control_addr": manager.control_addr}
     return st
 

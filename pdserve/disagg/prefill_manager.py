@@ -136,6 +136,7 @@ class PrefillTransferManager(_Side):
         # What crossed the split from this rank, by kind (TRANSFER_KINDS).
         self.bytes_by_kind = dict.fromkeys(P.TRANSFER_KINDS, 0)
         self.transfer_seconds = 0.0
+        self.peers_lost = 0  # decode ranks that stopped answering heartbeats
         self._link = _Link(host, f"prefill{tp_rank}", cfg, self._receive, self._on_peer_dead, self._unsendable)
         self._worker = threading.Thread(target=self._transfer_loop, name=f"prefill{tp_rank}-xfer", daemon=True)
         self._worker.start()
@@ -283,6 +284,9 @@ class PrefillTransferManager(_Side):
                 return
             peer = self._peers.pop(decode_id, None)
             rooms = [r for r, pr in self._rooms.items() if decode_id in pr.requests]
+            self.peers_lost += 1
+        logger.warning("decode server %s stopped answering heartbeats: forgotten, %d room(s) with it failed",
+                       addr, len(rooms))
         self.rooms.fail_all(f"decode server {addr} stopped answering heartbeats", "peer_dead", rooms)
         if peer is not None:
             self.engine.remove_peer(peer.handshake.session_id)

@@ -81,6 +81,7 @@ def test_prefill_death_fails_waiting_decode_rooms_within_heartbeats(target):
         assert "stopped answering heartbeats" in abort_message(box["response"])
         d.assert_pools_full()
         assert disagg_state(d)["failures"].get("peer_dead") == 1
+        assert disagg_state(d)["peers_lost"] == 1  # the dead prefill rank, counted once
     finally:
         d.close()
         p.close()
@@ -108,6 +109,8 @@ def test_decode_death_mid_transfer_fails_prefill_rooms_within_heartbeats(target,
         assert "stopped answering heartbeats" in message or "KV transfer failed" in message, message
         failures = disagg_state(p)["failures"]
         assert failures.get("peer_dead", 0) + failures.get("transfer_error", 0) == 1, failures
+        # Whichever failed the room, the dead decode rank stops answering heartbeats: counted once.
+        wait_until(lambda: disagg_state(p)["peers_lost"] == 1, 10.0, what="prefill counted the lost decode peer")
         p.assert_pools_full()
         # A new decode server pairs with the same prefill server.
         d2 = ServerProcess(target, "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", backend)
