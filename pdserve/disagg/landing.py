@@ -240,7 +240,8 @@ class LandingArea:
                 # when its threads compete with the server's for the cores.
                 target.numpy()[np_index(), lo:hi] = rows.numpy()
                 continue
-            rows = rows.to(target.device, non_blocking=True)
+            # (A blocking copy: the piece is given back, and may be written again, right after.)
+            rows = rows.to(target.device)
             idx = index.get(target.device)
             if idx is None:
                 idx = index[target.device] = torch.tensor(list(slots), dtype=torch.int64).to(target.device)
