@@ -27,10 +27,21 @@ TERM_GRACE_S = 15.0
 MAX_TOTAL_TOKENS = 8192  # the KV pool of the module's `server` and `engine` below
 
 
+_HANDED_OUT: set[int] = set()  # every port free_port returned in this test process
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that this process never handed out before: a port chosen but not
+    bound yet (a bootstrap port for a server still starting) is free to the OS, and was
+    once handed out again for another server's HTTP port (a 501 from the bootstrap
+    registry where the decode server should have answered)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 # ---- /proc helpers (psutil is not installed) --------------------------------------
