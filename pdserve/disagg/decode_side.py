@@ -44,7 +44,8 @@ from pdserve.disagg.landing import (LandingArea, LandingRegion, landing_bytes, l
                                     strided_source, worth_landing)
 from pdserve.disagg.layout import HeadRange, KVLayout, feature_slice
 from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, carried_state,
-                                    compat_record, kv_layout, register_buffers, split_samples, transfer_staging)
+                                    compat_record, kv_layout, register_buffers, split_samples, transfer_buffers,
+                                    transfer_staging)
 from pdserve.scheduler.kv_manager import pages_for
 from pdserve.scheduler.mode import Mode
 from pdserve.scheduler.radix_cache import PrefixMatch
@@ -57,10 +58,10 @@ logger = logging.getLogger(__name__)
 def peer_head_ranges(peers: list[PrefillPeer], names: tuple[str, ...]) -> dict[str, list[HeadRange]]:
     """Each head-sharded buffer of ``names`` with the heads every prefill rank of a
     connection holds of it, in rank order (as those ranks published their layouts)."""
-    ranks = sorted(peers, key=lambda p: p.info.tp_rank)
+    layouts = [p.info.layout.by_name() for p in sorted(peers, key=lambda p: p.info.tp_rank)]
     out = {}
     for name in names:
-        specs = [p.info.layout.by_name().get(name) for p in ranks]
+        specs = [by_name.get(name) for by_name in layouts]
         if specs and all(s is not None and s.heads is not None for s in specs):
             out[name] = [s.heads for s in specs]  # type: ignore[union-attr]
     return out
@@ -88,10 +89,11 @@ class DecodeSide(Mode):
         layout = kv_layout(core, self.staging, with_features=True)
         register_buffers(engine, layout)
         self.layout = layout
+        self._buffers = transfer_buffers(core, with_features=True)  # what a landed request is unpacked into
         # The landing area lives where the engine writes: with host staging, in host memory
         # (a landed request is then copied into the device buffers straight from it).
         nbytes = landing_bytes(core.args.disaggregation_kv_landing_mib,
-                               sum(t.numel() * t.element_size() for t in self._transfer_buffers().values()))
+                               sum(t.numel() * t.element_size() for t in self._buffers.values()))
         self.landing = (LandingArea(nbytes, "cpu" if self.staging is not None else core.device)
                         if nbytes else None)
         self.landing_min_run = core.args.disaggregation_kv_landing_min_run
@@ -313,15 +315,6 @@ class DecodeSide(Mode):
             self.landing.give(h.landing_offset)
             h.landing_offset, h.landing_regions = -1, ()
 
-    def _transfer_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers a transfer fills, by name (the device's, not host twins)."""
-        spec = self.core.spec
-        out = dict(self.core.kv.kv_pool.buffers())
-        if spec is not None:
-            out.update(spec.draft_pool.buffers())
-            out["features"] = spec.features
-        return out
-
     def _cached_prefix(self, req: Req) -> PrefixMatch | None:
         """The longest prefix of ``req``'s prompt this server still caches (an earlier
         turn's prompt and answer), locked; None when nothing (or reuse is off)."""
@@ -344,7 +337,7 @@ class DecodeSide(Mode):
         if h.landing_offset >= 0:  # the transfer filled the request's landing piece: into its slots
             assert self.landing is not None
             try:
-                self.landing.unpack(h.landing_offset, h.landing_regions, received_slots, self._transfer_buffers())
+                self.landing.unpack(h.landing_offset, h.landing_regions, received_slots, self._buffers)
             finally:
                 self._give_landing(h)
             self.landed_requests += 1

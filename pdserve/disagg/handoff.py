@@ -214,35 +214,39 @@ def feature_elements(pool: torch.Tensor) -> HeadRange:
     return HeadRange(0, pool.shape[1], pool.shape[1])
 
 
+def transfer_buffers(sched: "Scheduler", with_features: bool) -> dict[str, torch.Tensor]:
+    """This rank's device buffers a transfer moves, by name: the target KV and, with a
+    draft, the draft KV (``draft.L{i}.K/V``) and (``with_features``) the target-feature pool."""
+    out = dict(sched.kv.kv_pool.buffers())
+    spec = sched.spec
+    if spec is not None:
+        out.update(spec.draft_pool.buffers())
+        if with_features:
+            out["features"] = spec.features
+    return out
+
+
 def kv_layout(sched: "Scheduler", staging: HostStaging | None, with_features: bool) -> KVLayout:
-    """The named buffers of this rank: target KV (head-sharded) and, with a draft, the
-    draft KV (``draft.L{i}.K/V``, head-sharded like the target's) and the target-feature
+    """The named buffers of this rank (``transfer_buffers``): target KV (head-sharded) and,
+    with a draft, the draft KV (head-sharded like the target's) and the target-feature
     pool (one full row per slot on every rank, of which this rank receives its slice:
     ``feature_slice``); their host twins when staged."""
-    heads = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
-    kv = sched.kv.kv_pool.buffers()
-    spec = sched.spec
-    draft = dict(spec.draft_pool.buffers()) if spec is not None else {}
-    features = {"features": spec.features} if with_features and spec is not None else {}
+    buffers = transfer_buffers(sched, with_features)
     if staging is not None:  # all twins at once: the host must hold them together
-        staging.twins({**kv, **draft, **features})
-    specs = [buffer_spec(name, t, staging, heads) for name, t in kv.items()]
-    if spec is not None:
-        draft_heads = kv_head_range(spec.config.layer.num_kv_heads, sched.tp.rank, sched.tp.size)
-        specs += [buffer_spec(name, t, staging, draft_heads) for name, t in draft.items()]
+        staging.twins(buffers)
+    spec = sched.spec
+    target = kv_head_range(sched.runner.config.num_kv_heads, sched.tp.rank, sched.tp.size)
+    draft = (kv_head_range(spec.config.layer.num_kv_heads, sched.tp.rank, sched.tp.size) if spec is not None
+             else None)
     width = spec.config.feature_width if spec is not None else 0
-    specs += [buffer_spec(name, t, staging, feature_elements(t), feature_slice(width, sched.tp.rank, sched.tp.size))
-              for name, t in features.items()]
+    specs = []
+    for name, t in buffers.items():
+        if name == "features":
+            specs.append(buffer_spec(name, t, staging, feature_elements(t),
+                                     feature_slice(width, sched.tp.rank, sched.tp.size)))
+        else:
+            specs.append(buffer_spec(name, t, staging, draft if name.startswith("draft.") else target))
     return KVLayout(sched.page_size, tuple(specs))
-
-
-def transfer_tensors(sched: "Scheduler", staging: HostStaging | None) -> list[torch.Tensor]:
-    """The tensors this rank's KV layout publishes (``kv_layout`` without features): the
-    KV and draft KV buffers, or their host twins when staged."""
-    kv = dict(sched.kv.kv_pool.buffers())
-    if sched.spec is not None:
-        kv.update(sched.spec.draft_pool.buffers())
-    return list(staging.twins(kv).values()) if staging is not None else list(kv.values())
 
 
 def register_buffers(engine: object, layout: KVLayout) -> None:

@@ -40,7 +40,7 @@ from pdserve.model.runner import ModelRunner
 from pdserve.scheduler.batch import ScheduledBatch, StepOutput
 from pdserve.disagg.handoff import (Handoff, HandoffTable, Phase, Readiness, add_pd_state, compat_record,
                                     draft_state_message, kv_layout, register_buffers, split_samples,
-                                    transfer_staging, transfer_tensors)
+                                    transfer_buffers, transfer_staging)
 from pdserve.scheduler.mode import Mode
 from pdserve.scheduler.req import FinishKind, FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
@@ -76,7 +76,8 @@ class PrefillSide(Mode):
         self.engine = engine
         # What is sent from host memory, by address: the gather buffer copies from it.
         sources = SourceRows()
-        for t in transfer_tensors(core, self.staging):
+        published = transfer_buffers(core, with_features=False)
+        for t in (self.staging.twins(published) if self.staging is not None else published).values():
             sources.add(t)
         features = FeatureProvider(core, engine, self.staging, sources)
         ranges = [kv_head_range(runner.config.num_kv_heads, r, tp.size) for r in range(tp.size)]
