@@ -83,14 +83,15 @@ def room_plans(peer: _DecodePeer, request: P.TransferRequest,
     positions = len(request.dst_slots)
     names = landing_names(hs.wanted, request.want_features, request.want_draft_state)
     regions, size = landing_regions(hs.layout, names, positions, senders)
-    if request.landing_offset + size > hs.landing.num_slots * hs.landing.slot_bytes:
+    area_bytes = hs.landing.num_slots * hs.landing.slot_bytes
+    if request.landing_offset + size > area_bytes:
         raise TransferError(f"a landing piece of {size} bytes at {request.landing_offset} is outside decode's "
-                            f"{hs.landing.num_slots * hs.landing.slot_bytes}-byte landing area")
+                            f"{area_bytes}-byte landing area")
     base = hs.landing.ptr + request.landing_offset
 
     def land(plan: TransferPlan | None, wanted: bool) -> TransferPlan | None:
         return plan.landed(base, regions, positions) if plan is not None and wanted else None
-    return _RoomPlans(peer.plan.landed(base, regions, positions), land(peer.feature_plan, request.want_features),
+    return _RoomPlans(land(peer.plan, True), land(peer.feature_plan, request.want_features),  # type: ignore[arg-type]
                       land(peer.draft_plan, request.want_draft_state), True)
 
 
